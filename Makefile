@@ -1,0 +1,49 @@
+# dtrain make targets. `make help` lists them; `make train` and `make test` set up what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DTRAIN := $(VENV)/bin/dtrain
+TORCH_PIN := torch==2.13.0
+EXTRAS := dev,plot,tensorboard,export
+SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
+         train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
+
+.PHONY: help setup train test lint clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench
+
+help: ## list every target with one line each
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed ## make .venv: torch==2.13.0 first, then dtrain with its extras (idempotent)
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned resolve on a CPU machine pulls GBs of CUDA wheels
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+train: setup ## train the default model on the embedded Shakespeare dataset (a few minutes on a CPU)
+	$(DTRAIN) train $(ARGS)
+
+test: setup ## run the test suite (real multi-process gloo tests included)
+	$(VENV)/bin/pytest -q $(ARGS)
+
+lint: setup ## ruff
+	$(VENV)/bin/ruff check trainer tests scripts
+
+smoke: smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp ## a few steps of every parallel mode
+smoke-none: setup ## a few steps, one process
+	$(DTRAIN) train $(SMOKE) parallel=none hydra.run.dir=outputs/smoke/none-$$(date +%s%N)
+smoke-dp: setup ## a few steps under nn.DataParallel
+	$(DTRAIN) train $(SMOKE) parallel=dp hydra.run.dir=outputs/smoke/dp-$$(date +%s%N)
+smoke-ddp: setup ## a few steps of DDP, world 2
+	$(DTRAIN) train $(SMOKE) parallel=ddp world=2 hydra.run.dir=outputs/smoke/ddp-$$(date +%s%N)
+smoke-zero: setup ## a few steps of DDP + ZeRO, world 2
+	$(DTRAIN) train $(SMOKE) parallel=zero world=2 hydra.run.dir=outputs/smoke/zero-$$(date +%s%N)
+smoke-fsdp: setup ## a few steps of FSDP2, world 2
+	$(DTRAIN) train $(SMOKE) parallel=fsdp world=2 hydra.run.dir=outputs/smoke/fsdp-$$(date +%s%N)
+
+clean: ## remove run outputs and caches (not .venv, not prepared data)
+	rm -rf outputs multirun .pytest_cache .ruff_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

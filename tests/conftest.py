@@ -1,0 +1,72 @@
+"""Shared fixtures: one small prepared dataset per test session, and a way to run `dtrain`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINYSHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def corpus_text() -> str:
+    """The tiny-shakespeare corpus when the shared copy is here, else generated English-like text."""
+    if TINYSHAKESPEARE.exists():
+        return TINYSHAKESPEARE.read_text()
+    import random
+
+    rng = random.Random(0)
+    words = ("the king hath spoken and my lord shall come to the court of rome where all the "
+             "people cry for bread and wine good night sweet prince").split()
+    lines = []
+    for i in range(20000):
+        lines.append(("ROMEO:" if i % 7 == 0 else "") + " ".join(rng.choice(words) for _ in range(10)))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """A prepared `text` dataset named `corpus` (about 300k tokens) shared by the whole session."""
+    root = tmp_path_factory.mktemp("data")
+    source = root / "corpus.txt"
+    source.write_text(corpus_text())
+    run_dtrain(["prepare", "data=text", "data.name=corpus", f"data.source={source}", f"data.dir={root}",
+                "data.val_fraction=0.1"], check=True)
+    return root
+
+
+def dtrain_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["HYDRA_FULL_ERROR"] = "0"
+    return env
+
+
+def run_dtrain(args: list[str], cwd: Path | None = None, check: bool = False, timeout: float = 600,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env or dtrain_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A fast tiny-model training run on the session dataset."""
+    return ["train", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
+            "train.max_steps=20", "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=2",
+            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
+            "optim.warmup_steps=5", f"hydra.run.dir={run_dir}", *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}

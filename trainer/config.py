@@ -1,0 +1,268 @@
+"""The typed configuration schema, registered in Hydra's ConfigStore, and its cross-field checks.
+
+Every YAML file under conf/ is merged onto these dataclasses, so an unknown key or a value of the
+wrong type fails while the config is composed, before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from trainer.errors import ConfigError
+
+PARALLEL_MODES = ("none", "dp", "ddp", "zero", "fsdp")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 128
+    vocab_size: int = 50257
+    # Round the embedding table up to a multiple of this (64 or 128 make matmuls faster on GPUs;
+    # GPT-2's 50257 becomes 50304). 1 keeps the exact vocabulary.
+    pad_vocab_multiple: int = 1
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare"
+    # Where this dataset's shards and manifest live: <dir>/<name>/ (a per-user folder by default).
+    dir: str = "${oc.env:DTRAIN_DATA_DIR,'~/.cache/dtrain/data'}"
+    # Where the raw text comes from: a URL, a local file, a folder or a glob; null = the dataset's own.
+    source: Optional[str] = None
+    sha256: Optional[str] = None  # expected checksum of the downloaded source, when it is fixed
+    val_fraction: float = 0.05
+    shard_tokens: int = 100_000_000
+    # Hugging Face dataset coordinates (fineweb_edu); unused by the local datasets.
+    hf_path: Optional[str] = None
+    hf_name: Optional[str] = None
+    hf_split: str = "train"
+    max_tokens: Optional[int] = None  # stop preparing after this many tokens (null = all)
+    # How shards are checked when a run opens them: size (always), sha256 or auto (sha256 when small).
+    verify: str = "auto"
+    num_proc: Optional[int] = None  # tokenizer processes; null = all cores
+    auto_prepare: bool = False  # prepare on first use by `dtrain train` (the embedded default does)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    fused: str = "auto"  # auto | true | false  (auto: fused on CUDA)
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = "none"
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size (all-reduce overlaps backward per bucket)
+    reshard_after_forward: bool = True  # FSDP: free gathered params after forward (ZeRO-3)
+    mixed_precision: str = "auto"  # FSDP: auto = bf16 params / fp32 reduce on CUDA, fp32 on CPU
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: int = 1
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_backend: str = "c10d"
+    rdzv_id: str = "dtrain"
+    rdzv_timeout: int = 60
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    # How long a collective may wait before the job fails instead of hanging (seconds).
+    timeout_s: int = 300
+    threads_per_worker: Optional[int] = None  # CPU: null = cores / local workers
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1337
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    total_batch_size: Optional[int] = None  # tokens per optimizer step; null = derived
+    grad_accum_steps: Optional[int] = None  # null = derived from total_batch_size
+    eval_interval: int = 50  # validation loss every N steps (0 = never; always at the end)
+    eval_batches: int = 8
+    log_interval: int = 10
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    compile: bool = False
+    activation_checkpointing: bool = False
+    sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
+    sample_prompt: str = "ROMEO:"
+    progress: bool = True  # rich progress bar on rank 0
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints (0 = only at the end)
+    keep: int = 3
+    async_save: bool = False
+
+
+@dataclass
+class HellaswagConfig:
+    path: Optional[str] = None  # local jsonl; null = download the public validation set
+    url: str = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+    sha256: Optional[str] = None
+    batch_examples: int = 8
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # HellaSwag every N steps (0 = never during training)
+    limit: Optional[int] = None  # at most this many examples
+    hellaswag: HellaswagConfig = field(default_factory=HellaswagConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # Total worker processes. null = 1, or WORLD_SIZE when started by torchrun.
+    world: Optional[int] = None
+    resume: str = "auto"  # auto | never | <path to a checkpoint>
+    logger: str = "jsonl"  # jsonl | tensorboard (TensorBoard event files beside metrics.jsonl)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="dtrain_schema", node=Config)
+
+
+def to_dict(cfg: DictConfig) -> dict:
+    """The resolved config as plain data (what workers receive and checkpoints record)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def from_dict(data: dict) -> DictConfig:
+    """Rebuild a typed config from plain data (the inverse of to_dict)."""
+    schema = OmegaConf.structured(Config)
+    data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+    return OmegaConf.merge(schema, data)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step is split: micro batch x seq len x world x accumulation steps."""
+
+    micro_batch_size: int
+    seq_len: int
+    world: int
+    grad_accum_steps: int
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.micro_batch_size * self.seq_len * self.world
+
+    @property
+    def total_batch_size(self) -> int:
+        return self.tokens_per_micro_step * self.grad_accum_steps
+
+    @property
+    def chunks_per_step(self) -> int:
+        """Micro batches (of micro_batch_size x seq_len) read per optimizer step, all ranks."""
+        return self.world * self.grad_accum_steps
+
+
+def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:
+    """Derive accumulation steps from the total batch, or check the pair when both are given."""
+    t = cfg.train
+    per_micro = t.micro_batch_size * t.seq_len * world
+    if t.total_batch_size is None:
+        accum = t.grad_accum_steps or 1
+    else:
+        if t.total_batch_size % per_micro:
+            raise ConfigError(
+                f"train.total_batch_size={t.total_batch_size} is not divisible by micro_batch_size x "
+                f"seq_len x world = {t.micro_batch_size}x{t.seq_len}x{world} = {per_micro}; "
+                f"set train.total_batch_size to a multiple of {per_micro}"
+            )
+        accum = t.total_batch_size // per_micro
+        if t.grad_accum_steps is not None and t.grad_accum_steps != accum:
+            raise ConfigError(
+                f"train.grad_accum_steps={t.grad_accum_steps} contradicts train.total_batch_size="
+                f"{t.total_batch_size} ({t.total_batch_size} / {per_micro} = {accum} steps); "
+                "give only one of them"
+            )
+    return BatchPlan(t.micro_batch_size, t.seq_len, world, accum)
+
+
+def requested_world(cfg: DictConfig) -> int:
+    """World size for this run: cfg.world, checked against torchrun's WORLD_SIZE when under it."""
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is not None:
+        env_world = int(env_world)
+        if cfg.world is not None and cfg.world != env_world:
+            raise ConfigError(
+                f"world={cfg.world} but torchrun started {env_world} workers; "
+                f"drop world= or set it to {env_world}"
+            )
+        return env_world
+    return 1 if cfg.world is None else cfg.world
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks that types alone cannot express. Raises ConfigError."""
+    m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
+    if p.mode not in PARALLEL_MODES:
+        raise ConfigError(f"parallel.mode={p.mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    if cfg.world is not None and cfg.world < 1:
+        raise ConfigError(f"world={cfg.world} must be at least 1")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if t.seq_len > m.block_size:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; "
+            f"lower train.seq_len or raise model.block_size"
+        )
+    for name in ("micro_batch_size", "seq_len", "max_steps", "log_interval"):
+        if t[name] < 1:
+            raise ConfigError(f"train.{name}={t[name]} must be at least 1")
+    if t.grad_accum_steps is not None and t.grad_accum_steps < 1:
+        raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} must be at least 1")
+    if not 0 < o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in (0, optim.lr={o.lr}]")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if o.fused not in ("auto", "true", "false"):
+        raise ConfigError(f"optim.fused={o.fused!r} must be auto, true or false")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
+    if cfg.launch.nnodes < 1:
+        raise ConfigError(f"launch.nnodes={cfg.launch.nnodes} must be at least 1")
+    world = 1 if cfg.world is None else cfg.world
+    if "WORLD_SIZE" not in os.environ and world % cfg.launch.nnodes:
+        raise ConfigError(
+            f"world={world} is not divisible by launch.nnodes={cfg.launch.nnodes}; "
+            "world is the total number of workers across all nodes"
+        )
+    if cfg.resume not in ("auto", "never") and not cfg.resume:
+        raise ConfigError("resume= must be auto, never or a checkpoint path")
+    if cfg.logger not in ("jsonl", "tensorboard"):
+        raise ConfigError(f"logger={cfg.logger!r} is unknown; choose jsonl or tensorboard")
+    batch_plan(cfg, requested_world(cfg))

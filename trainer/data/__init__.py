@@ -1,0 +1,1 @@
+"""Data preparation: tokenizer, sources, tokenize-and-shard, shard access."""

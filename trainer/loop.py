@@ -1,0 +1,230 @@
+"""The one train/eval loop. Every parallelism mode runs it unchanged through its Strategy."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.config import BatchPlan, batch_plan
+from trainer.data.loader import ShardLoader
+from trainer.data.shards import open_split
+from trainer.metrics import MetricsLogger, ProgressView, summary_table
+from trainer.model import build_model
+from trainer.optim import lr_at, set_lr
+from trainer.parallel import make_strategy
+from trainer.runtime import Runtime
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores (the model, optimizer and loaders save their own)."""
+
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0  # training tokens consumed, all ranks
+    best_val_loss: float = math.inf
+    last_loss: float = math.nan
+
+
+@dataclass
+class RunResult:
+    final_loss: float
+    best_val_loss: float
+    tokens: int
+    tokens_per_s: float
+    wall_s: float
+    steps: int
+
+
+class Run:
+    """Everything one worker builds for training: model, strategy, optimizer, loaders, logger."""
+
+    def __init__(self, cfg, rt: Runtime, run_dir: Path):
+        self.cfg, self.rt, self.run_dir = cfg, rt, run_dir
+        self.plan: BatchPlan = batch_plan(cfg, rt.world)
+        # The same seed on every rank: replicas start identical without a broadcast.
+        torch.manual_seed(cfg.train.seed)
+        self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
+        raw_model = build_model(cfg.model)
+        raw_model.activation_checkpointing = cfg.train.activation_checkpointing
+        self.model = self.strategy.wrap(raw_model)
+        self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
+        self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
+        self.val_loader = None
+        if cfg.data.val_fraction > 0 and cfg.train.eval_batches > 0:
+            self.val_loader = self._val_loader()
+        self.forward = self.model
+        if cfg.train.compile:
+            self.forward = torch.compile(self.model)
+        self.state = TrainState()
+
+    def _val_loader(self) -> ShardLoader:
+        """Validation reads the first eval_batches micro batches (rounded up to whole rounds of
+        `world`, so every world size scores the same tokens), or as many as the split holds."""
+        t = self.cfg.train
+        shards = open_split(self.cfg.data, "val")
+        chunk = t.micro_batch_size * t.seq_len
+        available = max((len(s) - 1) // chunk for s in shards) // self.rt.world
+        rounds = max(1, min(math.ceil(t.eval_batches / self.rt.world), available))
+        return self._loader("val", rounds, shuffle=False, shards=shards)
+
+    def _loader(self, split: str, accum: int, shuffle: bool, shards=None) -> ShardLoader:
+        t = self.cfg.train
+        return ShardLoader(
+            shards if shards is not None else open_split(self.cfg.data, split),
+            t.micro_batch_size,
+            t.seq_len,
+            self.rt.rank,
+            self.rt.world,
+            accum,
+            t.seed,
+            self.rt.device,
+            shuffle_shards=shuffle,
+            what=f"{split} split of dataset {self.cfg.data.name!r}",
+        )
+
+    # --- one optimizer step ----------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Run the micro-steps of one optimizer step. Returns (mean loss, grad norm, lr) on device;
+        nothing here waits for the device, so logging decides when to sync."""
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        set_lr(self.optimizer, lr)
+        self.model.train()
+        accum = self.plan.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.rt.device)
+        for micro in range(accum):
+            x, y = self.train_loader.next_batch()
+            with self.strategy.micro_step(self.model, is_last=micro == accum - 1):
+                with self.strategy.autocast():
+                    _, loss = self.forward(x, y)
+                # Each micro-step's gradient is 1/accum of the step's mean-loss gradient.
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        self.strategy.optimizer_step(self.optimizer)
+        return loss_sum / accum, grad_norm, lr
+
+    @torch.no_grad()
+    def val_loss(self) -> float:
+        """Mean loss over the first eval_batches micro batches of the val split, all ranks."""
+        model = self.strategy.inference_model(self.model)
+        model.eval()
+        self.val_loader.reset()
+        total = torch.zeros((), device=self.rt.device)
+        for _ in range(self.val_loader.accum):
+            x, y = self.val_loader.next_batch()
+            with self.strategy.autocast():
+                _, loss = model(x, y)
+            total += loss.detach()
+        return self.rt.all_reduce_mean(total / self.val_loader.accum).item()
+
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int, seed: int) -> str:
+        """Generate on every rank in lockstep (FSDP forwards need all ranks); rank 0 prints."""
+        from trainer.data.tokenizer import gpt2_encoding
+
+        enc = gpt2_encoding()
+        model = self.strategy.inference_model(self.model)
+        model.eval()
+        ids = enc.encode_ordinary(prompt) or [enc.eot_token]
+        idx = torch.tensor([ids], dtype=torch.long, device=self.rt.device)
+        gen = torch.Generator(device=self.rt.device).manual_seed(seed)
+        with self.strategy.autocast():
+            out = model.generate(idx, max_new_tokens, generator=gen)
+        return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
+
+
+def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
+    """Train according to cfg; rank 0 writes metrics.jsonl and prints. Returns the run's figures."""
+    run = Run(cfg, rt, run_dir)
+    t = cfg.train
+    if checkpointer is not None:
+        checkpointer.restore(run)
+    state = run.state
+    start_step = state.step
+    metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, tensorboard=cfg.logger == "tensorboard")
+    view = ProgressView(rt.is_main and t.progress, t.max_steps, start_step)
+    if rt.is_main:
+        n_params = run.strategy.unwrap(run.model).num_params()
+        view.print(
+            f"[bold]dtrain[/] model={cfg.model.name} ({n_params / 1e6:.2f}M params) "
+            f"parallel={run.strategy.describe()} world={rt.world} device={rt.device} | "
+            f"global batch {run.plan.total_batch_size:,} tokens = {t.micro_batch_size} x {t.seq_len} x "
+            f"{rt.world} ranks x {run.plan.grad_accum_steps} accum | run dir {run_dir}"
+            + (f" | resumed at step {start_step}" if start_step else "")
+        )
+    t_start = time.perf_counter()
+    t_window, tokens_window = t_start, 0
+    trained_tokens = 0
+    try:
+        for step in range(start_step, t.max_steps):
+            loss, grad_norm, lr = run.train_step(step)
+            state.step = step + 1
+            state.tokens += run.plan.total_batch_size
+            tokens_window += run.plan.total_batch_size
+            trained_tokens += run.plan.total_batch_size
+            last = state.step == t.max_steps
+            if state.step % t.log_interval == 0 or last or state.step == start_step + 1:
+                loss_value = rt.all_reduce_mean(loss).item()  # the only host sync of a step
+                now = time.perf_counter()
+                tokens_per_s = tokens_window / (now - t_window)
+                t_window, tokens_window = now, 0
+                state.last_loss = loss_value
+                metrics.log(
+                    {
+                        "step": state.step,
+                        "tokens": state.tokens,
+                        "loss": loss_value,
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_per_s,
+                    }
+                )
+                view.update(
+                    state.step, f"loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s"
+                )
+            if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
+                val = run.val_loss()
+                state.best_val_loss = min(state.best_val_loss, val)
+                metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val})
+                view.print(f"step {state.step}: val loss {val:.4f}")
+                t_window = time.perf_counter()  # tokens/s measures training, not evaluation
+            if checkpointer is not None and checkpointer.after_step(run, last):
+                t_window = time.perf_counter()
+        wall = time.perf_counter() - t_start
+        result = RunResult(
+            final_loss=state.last_loss,
+            best_val_loss=state.best_val_loss,
+            tokens=state.tokens,
+            tokens_per_s=trained_tokens / wall if wall > 0 else 0.0,
+            wall_s=wall,
+            steps=state.step,
+        )
+        view.close()
+        if t.sample_tokens > 0:
+            text = run.sample(t.sample_prompt, t.sample_tokens, t.seed)
+            view.print("[bold]sample:[/]\n" + text)
+        if rt.is_main:
+            view.console.print(summary_table("run summary", _summary_rows(result, run_dir)))
+            metrics.log({"step": state.step, "tokens": state.tokens, "summary": asdict(result)})
+        return result
+    finally:
+        view.close()
+        metrics.close()
+        if checkpointer is not None:
+            checkpointer.close()
+
+
+def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
+    return {
+        "steps": f"{result.steps}",
+        "tokens": f"{result.tokens:,}",
+        "final train loss": f"{result.final_loss:.4f}",
+        "best val loss": "-" if math.isinf(result.best_val_loss) else f"{result.best_val_loss:.4f}",
+        "tokens/s": f"{result.tokens_per_s:,.0f}",
+        "wall time": f"{result.wall_s:.1f} s",
+        "run dir": str(run_dir),
+    }

@@ -1,0 +1,123 @@
+"""Rank 0's outputs: metrics.jsonl, the rich progress bar, and the end-of-run summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLogger:
+    """Appends one JSON object per log line; a no-op on ranks other than 0."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step or self.path.exists():
+            self._truncate_after(resume_step)
+        self._file = self.path.open("a", buffering=1)
+        if tensorboard:
+            from trainer.tensorboard import open_writer
+
+            self._tb = open_writer(run_dir, purge_step=resume_step or None)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines past the resumed step, so a resume logs no step twice and none is missing."""
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else v) for k, v in record.items()}
+        record.setdefault("time", round(time.time(), 3))
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class ProgressView:
+    """Rank 0's live progress bar: loss, lr, tokens/s and ETA."""
+
+    def __init__(self, enabled: bool, total_steps: int, start_step: int):
+        self.console = Console(stderr=False)
+        self.enabled = enabled
+        self._progress = None
+        if not enabled:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not sys.stdout.isatty(),
+            transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+        self._progress.start()
+
+    def update(self, step: int, status: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=status)
+
+    def print(self, message: str) -> None:
+        """A line that stays above the bar (also the only output when stdout is not a terminal)."""
+        if self.enabled:
+            self.console.print(message, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def summary_table(title: str, rows: dict[str, str]) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows.items():
+        table.add_row(key, value)
+    return table

@@ -1,0 +1,58 @@
+"""parallel=fsdp: FSDP2 (fully_shard) per transformer block and at the root."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainer.errors import ConfigError
+from trainer.parallel.base import Strategy
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    needs_process_group = True
+
+    def __init__(self, parallel_cfg, train_cfg, runtime):
+        super().__init__(parallel_cfg, train_cfg, runtime)
+        self.mp_policy = self._mixed_precision()
+
+    def _mixed_precision(self) -> MixedPrecisionPolicy:
+        mode = self.cfg.mixed_precision
+        on_cuda = self.rt.device.type == "cuda"
+        if mode == "auto":
+            mode = "bf16" if on_cuda else "fp32"
+        if mode == "bf16":
+            # Compute in bf16, but reduce gradients in fp32 so small updates are not lost.
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mode == "fp32":
+            return MixedPrecisionPolicy()
+        raise ConfigError(f"parallel.mixed_precision={mode!r} must be auto, bf16 or fp32")
+
+    def wrap(self, model):
+        model = model.to(self.rt.device)
+        mesh = init_device_mesh(self.rt.device.type, (self.rt.world,))
+        kwargs = dict(mesh=mesh, mp_policy=self.mp_policy)
+        for block in model.transformer.h:
+            fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
+        # The tied wte / lm_head weight lives in the root unit, so it is sharded once.
+        fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
+        return model
+
+    def micro_step(self, model, is_last):
+        model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        if self.mp_policy.param_dtype is not None:
+            return contextlib.nullcontext()  # the policy already casts parameters per unit
+        return super().autocast()
+
+    def clip_grad_norm(self, model, max_norm):
+        norm = super().clip_grad_norm(model, max_norm)
+        # Sharded gradients give a DTensor norm; its full value is the true global norm.
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

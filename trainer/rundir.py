@@ -1,0 +1,47 @@
+"""The run directory: what counts as another run's outputs, and the resolved config record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.errors import UserError
+from trainer.metrics import METRICS_FILE
+
+CONFIG_RECORD = "resolved_config.json"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    ckpt = run_dir / CHECKPOINT_DIR
+    return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
+def check_run_dir(run_dir: Path, resume: str) -> None:
+    """Refuse to start where another run already wrote, unless this run is resuming it."""
+    if not (run_dir / METRICS_FILE).exists() and not has_checkpoint(run_dir):
+        return
+    if resume == "never":
+        raise UserError(
+            f"run directory {run_dir} already holds a run's outputs and resume=never; "
+            "choose another hydra.run.dir= or remove that directory"
+        )
+    if resume == "auto" and not has_checkpoint(run_dir):
+        raise UserError(
+            f"run directory {run_dir} already holds another run's outputs (metrics.jsonl, no checkpoint "
+            "to resume); choose another hydra.run.dir= or remove that directory"
+        )
+
+
+def write_config_record(run_dir: Path, cfg_dict: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (CONFIG_RECORD + ".tmp")
+    tmp.write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
+    tmp.replace(run_dir / CONFIG_RECORD)
+
+
+def read_config_record(run_dir: Path) -> dict:
+    path = run_dir / CONFIG_RECORD
+    if not path.exists():
+        raise UserError(f"{run_dir} is not a dtrain run directory (no {CONFIG_RECORD}); pass a run's output folder")
+    return json.loads(path.read_text())

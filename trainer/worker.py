@@ -1,0 +1,48 @@
+"""A worker process: the same entry point under dtrain's launcher, plain torchrun, or in-process."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from trainer.config import from_dict
+from trainer.errors import UserError
+from trainer.parallel import strategy_class
+from trainer.runtime import init_runtime
+
+
+def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> dict:
+    """Train on this rank; returns the run's figures (rank 0's are the ones reported).
+
+    Module level and picklable: torchrun's engine spawns it in every worker process.
+    `preflight_done=False` (plain torchrun, where every rank composed its own config) makes rank 0
+    prepare the run and broadcast its config and run dir, so all ranks agree on both.
+    """
+    cfg = from_dict(cfg_dict)
+    rt = init_runtime(
+        cfg.train.device,
+        strategy_class(cfg.parallel.mode).needs_process_group,
+        cfg.launch.timeout_s,
+        cfg.launch.threads_per_worker,
+    )
+    try:
+        if not preflight_done:
+            problem = None
+            if rt.is_main:
+                try:
+                    from trainer.preflight import preflight
+
+                    preflight(cfg, Path(run_dir), rt.world)
+                except UserError as err:
+                    problem = str(err)
+            cfg_dict, run_dir, problem = rt.broadcast_object((cfg_dict, run_dir, problem))
+            if problem:
+                raise UserError(problem)
+            cfg = from_dict(cfg_dict)
+        from trainer.checkpoint import Checkpointer
+        from trainer.loop import train
+
+        result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
+        return asdict(result)
+    finally:
+        rt.shutdown()
