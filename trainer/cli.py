@@ -19,6 +19,10 @@ COMMANDS = {
     "train": ("trainer.cli:cmd_train", "train a model (Hydra overrides; -m for a sweep, --cfg job to print)"),
     "prepare": ("trainer.cli:cmd_prepare", "tokenize a dataset into token shards: dtrain prepare data=NAME"),
     "sample": ("trainer.commands.sample:cmd_sample", "generate text from a trained run: dtrain sample RUN_DIR"),
+    "eval": ("trainer.commands.eval:cmd_eval", "HellaSwag accuracy of a run's checkpoint: dtrain eval RUN_DIR"),
+    "export": ("trainer.commands.export:cmd_export", "write model.safetensors + config.json (HF GPT-2 names)"),
+    "report": ("trainer.commands.report:cmd_report", "plots and a summary table of runs or a sweep dir"),
+    "plan": ("trainer.commands.plan:cmd_plan", "estimate per-rank memory and the largest micro batch that fits"),
 }
 
 # Hydra's own command-line flags, passed through untouched (the rest are key=value overrides).
@@ -29,7 +33,10 @@ HYDRA_FLAGS = {"--multirun", "-m", "--resolve", "--help", "-h", "--hydra-help", 
 
 
 def fail(message: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: messages name things like 'dtrain[plot]' that rich would take for markup
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -149,8 +156,13 @@ def cmd_train(args: list[str]) -> None:
     from trainer.config import register_configs
 
     informational = any(a in ("--help", "-h", "--hydra-help", "--version", "--info", "-i") for a in args)
+    sweep_dir = None
     if not informational:
-        check_train_args(args)
+        from trainer.sweep import pin_sweep_dir, plugin_hint
+
+        with plugin_hint():
+            check_train_args(args)
+        args, sweep_dir = pin_sweep_dir(args)  # multirun: where the points go, known up front
     if "RANK" in os.environ and os.environ["RANK"] != "0":
         # Under plain torchrun only rank 0 writes the run directory; the config that counts is
         # rank 0's, broadcast when the process group is up.
@@ -162,7 +174,13 @@ def cmd_train(args: list[str]) -> None:
         ]
     register_configs()
     sys.argv = ["dtrain"] + args
-    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(train_job)()
+    try:
+        hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(train_job)()
+    finally:
+        if sweep_dir is not None:  # the sweep's table, also when a point failed or it was interrupted
+            from trainer.sweep import finish_sweep
+
+            finish_sweep(sweep_dir)
 
 
 def train_job(cfg) -> float:
@@ -175,11 +193,13 @@ def train_job(cfg) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun:  # status file, summary.jsonl, skip finished / resume unfinished points
+        from trainer.sweep import run_point
+
+        return run_point(cfg, hydra_cfg, lambda: run_training(cfg, run_dir))
     try:
         result = run_training(cfg, run_dir)
     except (UserError, WorkerFailed) as err:
-        if multirun:
-            raise  # Hydra records the point as failed and the sweep goes on
         fail(str(err), code=2 if isinstance(err, UserError) else 1)
     return result["best_val_loss"]
 

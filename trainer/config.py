@@ -132,6 +132,13 @@ class EvalConfig:
 
 
 @dataclass
+class SweepConfig:
+    # Multirun (`dtrain train -m`): stop at the first failed point (the later ones are recorded
+    # as skipped) instead of running every point. Not part of a point's identity on a re-run.
+    fail_fast: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -141,6 +148,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     # Total worker processes. null = 1, or WORLD_SIZE when started by torchrun.
     world: Optional[int] = None
     resume: str = "auto"  # auto | never | <path to a checkpoint>
@@ -233,6 +241,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     if cfg.world is not None and cfg.world < 1:
         raise ConfigError(f"world={cfg.world} must be at least 1")
+    if p.mode == "dp" and requested_world(cfg) > 1:
+        raise ConfigError(
+            "parallel=dp drives every GPU from one process and cannot run under a multi-process launch; "
+            "use parallel=ddp for several workers, or world=1 with parallel=dp"
+        )
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if t.seq_len > m.block_size:

@@ -139,6 +139,11 @@ class Run:
 
 def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     """Train according to cfg; rank 0 writes metrics.jsonl and prints. Returns the run's figures."""
+    hellaswag = None
+    if cfg.eval.interval > 0:  # the examples are read and tokenized once per run, not per eval
+        from trainer.evals.hellaswag import HellaSwagEval
+
+        hellaswag = HellaSwagEval.from_config(cfg, rt)
     run = Run(cfg, rt, run_dir)
     t = cfg.train
     if checkpointer is not None:
@@ -146,7 +151,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     state = run.state
     start_step = state.step
     metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, tensorboard=cfg.logger == "tensorboard")
-    view = ProgressView(rt.is_main and t.progress, t.max_steps, start_step)
+    view = ProgressView(rt.is_main, t.max_steps, start_step, bar=t.progress)
     if rt.is_main:
         n_params = run.strategy.unwrap(run.model).num_params()
         view.print(
@@ -192,6 +197,11 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
                 metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val})
                 view.print(f"step {state.step}: val loss {val:.4f}")
                 t_window = time.perf_counter()  # tokens/s measures training, not evaluation
+            if hellaswag is not None and (state.step % cfg.eval.interval == 0 or last):
+                hs = hellaswag.evaluate(run.strategy.inference_model(run.model), rt, run.strategy.autocast)
+                metrics.log({"step": state.step, "tokens": state.tokens, **hs.metrics()})
+                view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} acc {hs.acc:.4f} (n={hs.n})")
+                t_window = time.perf_counter()
             if checkpointer is not None and checkpointer.after_step(run, last):
                 t_window = time.perf_counter()
         wall = time.perf_counter() - t_start

@@ -79,11 +79,11 @@ class MetricsLogger:
 class ProgressView:
     """Rank 0's live progress bar: loss, lr, tokens/s and ETA."""
 
-    def __init__(self, enabled: bool, total_steps: int, start_step: int):
+    def __init__(self, enabled: bool, total_steps: int, start_step: int, bar: bool = True):
         self.console = Console(stderr=False)
-        self.enabled = enabled
+        self.enabled = enabled  # rank 0 prints; the others stay silent
         self._progress = None
-        if not enabled:
+        if not (enabled and bar):
             return
         self._progress = Progress(
             TextColumn("[bold]step {task.completed}/{task.total}"),

@@ -1,0 +1,46 @@
+"""Worker functions the distributed tests launch through torchrun's engine (must be importable)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.config import from_dict
+from trainer.loop import Run
+from trainer.parallel import strategy_class
+from trainer.runtime import init_runtime
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
+    """Train a few steps, then report this rank's weights digest and what it holds in memory."""
+    cfg = from_dict(cfg_dict)
+    rt = init_runtime("cpu", strategy_class(cfg.parallel.mode).needs_process_group, 120, 1)
+    try:
+        run = Run(cfg, rt, Path(run_dir))
+        for step in range(steps):
+            run.train_step(step)
+        raw = run.strategy.unwrap(run.model)
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in raw.named_parameters()}
+        digest = hashlib.sha256(b"".join(full[n].numpy().tobytes() for n in sorted(full))).hexdigest()
+        local_optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO wraps a local AdamW
+        state = [t for s in local_optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        return {
+            "digest": digest,
+            "param_bytes": _bytes(raw.parameters()),
+            "grad_bytes": _bytes(p.grad for p in raw.parameters() if p.grad is not None),
+            "optimizer_bytes": _bytes(state),
+            "full_param_bytes": sum(t.numel() * t.element_size() for t in full.values()),
+        }
+    finally:
+        rt.shutdown()

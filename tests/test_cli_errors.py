@@ -1,0 +1,108 @@
+"""Bad input ends with one clear line and exit code 2, no traceback, nothing overwritten."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from conftest import run_dtrain, tiny_args
+
+
+def assert_user_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), err
+    assert len([line for line in lines if line.startswith("error:")]) == 1
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.no_such_key=1", "no_such_key"),
+        ("model=no_such_model", "available: cpu_small"),
+        ("train.max_steps=many", "max_steps"),
+        ("parallel=dp world=2", "parallel=dp"),
+        ("train.total_batch_size=1000", "not divisible"),
+        ("train.total_batch_size=2048 train.grad_accum_steps=3", "contradicts"),
+        ("train.seq_len=4096", "block_size"),
+        ("optim.min_lr=1.0", "optim.min_lr"),
+        ("parallel.mode=tp", "parallel.mode"),
+    ],
+)
+def test_bad_config_is_one_line(override, needle, data_dir, tmp_path):
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", *override.split()))
+    assert_user_error(proc, needle)
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run dir
+
+
+def test_unknown_command_and_flag():
+    assert_user_error(run_dtrain(["fly"]), "unknown command")
+    assert_user_error(run_dtrain(["train", "--fast"]), "unknown flag")
+
+
+def test_help_and_cfg_job(data_dir):
+    proc = run_dtrain(["--help"])
+    assert proc.returncode == 0 and "train" in proc.stdout and "prepare" in proc.stdout
+    proc = run_dtrain(["train", "model=tiny", "optim.lr=3e-4", "--cfg", "job"])
+    assert proc.returncode == 0, proc.stderr
+    assert "n_layer: 2" in proc.stdout and "lr: 0.0003" in proc.stdout
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path):
+    proc = run_dtrain(["train", "model=tiny", "data=text", "data.name=absent", f"data.dir={tmp_path}",
+                       f"hydra.run.dir={tmp_path / 'run'}"])
+    assert_user_error(proc, "dtrain prepare", "absent")
+
+
+def test_corrupt_and_truncated_shards(data_dir, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir / "corpus", copy / "corpus")
+    shard = copy / "corpus" / "train_000000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[1000] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    proc = run_dtrain(tiny_args(copy, tmp_path / "run1"))
+    assert_user_error(proc, "train_000000.bin", "sha256")
+    shard.write_bytes(bytes(raw[:-100]))
+    proc = run_dtrain(tiny_args(copy, tmp_path / "run2"))
+    assert_user_error(proc, "train_000000.bin", "size")
+
+
+def test_batch_larger_than_the_data(data_dir, tmp_path):
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "train.micro_batch_size=20000"))
+    assert_user_error(proc, "training tokens")
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "parallel=ddp", "world=64",
+                                "train.micro_batch_size=100"))
+    assert_user_error(proc, "world")
+
+
+def test_run_dir_with_another_runs_outputs_is_left_alone(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text("theirs: true\n")
+    proc = run_dtrain(tiny_args(data_dir, run_dir))
+    assert_user_error(proc, "already holds")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "theirs: true\n"
+
+
+def test_sharding_modes_at_world_one_warn_but_run(data_dir, tmp_path):
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "parallel=fsdp", "train.max_steps=2"))
+    assert proc.returncode == 0, proc.stderr
+    assert "shards nothing" in proc.stderr
+
+
+def test_unreachable_rendezvous_fails_within_bounded_time(data_dir, tmp_path):
+    start = time.monotonic()
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "parallel=ddp", "world=2", "launch.nnodes=2",
+                                "launch.rdzv_endpoint=127.0.0.1:29811", "launch.rdzv_timeout=5"), timeout=120)
+    assert_user_error(proc, "rendezvous", "127.0.0.1:29811")
+    assert time.monotonic() - start < 90

@@ -1,0 +1,53 @@
+"""End-to-end runs as a user starts them: `dtrain train`, plain torchrun, the console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, train_losses
+
+
+def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=30", "train.log_interval=5",
+                                "train.eval_interval=10", "train.sample_tokens=12", "optim.lr=2e-3"), check=True)
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
+    for r in train:
+        assert {"step", "tokens", "loss", "lr", "tokens_per_s", "grad_norm"} <= r.keys()
+        assert r["tokens"] == r["step"] * 4 * 64
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    vals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in vals] == [10, 20, 30] and vals[-1]["val_loss"] < vals[0]["val_loss"]
+    assert records[-1]["summary"]["steps"] == 30
+    assert "sample:" in proc.stdout and "run summary" in proc.stdout
+    config = json.loads((run_dir / "resolved_config.json").read_text())
+    assert config["model"]["n_layer"] == 2 and config["train"]["max_steps"] == 30
+
+
+def test_plain_torchrun_runs_the_same_loop(data_dir, tmp_path):
+    common = ["train.total_batch_size=512", "train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=4"]
+    ref = tmp_path / "ref"
+    run_dtrain(tiny_args(data_dir, ref, "parallel=ddp", "world=2", *common), check=True)
+    run_dir = tmp_path / "torchrun"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "trainer", *tiny_args(data_dir, run_dir, "parallel=ddp", *common)]
+    proc = subprocess.run(torchrun, cwd=REPO, capture_output=True, text=True, timeout=300, env=dtrain_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses, expected = train_losses(run_dir), train_losses(ref)
+    assert losses.keys() == expected.keys()
+    assert max(abs(losses[s] - expected[s]) for s in expected) < 1e-6
+    # only rank 0's run dir exists; the others' configs were replaced by rank 0's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref", "torchrun"]
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "dtrain"
+    assert script.exists() or shutil.which("dtrain")
+    proc = subprocess.run([str(script) if script.exists() else "dtrain", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: dtrain" in proc.stdout

@@ -1,0 +1,1 @@
+"""Subcommands other than train and prepare (one module each)."""
