@@ -9,7 +9,7 @@ EXTRAS := dev,plot,tensorboard,export
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup train test lint clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench
+.PHONY: help setup train sweep report test lint clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -23,8 +23,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
-train: setup ## train the default model on the embedded Shakespeare dataset (a few minutes on a CPU)
-	$(DTRAIN) train $(ARGS)
+train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, < 5 min on 2 cores)
+	$(DTRAIN) train experiment=shakespeare_cpu $(ARGS)
+
+sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a DDP run at world 2 (multirun/)
+	$(DTRAIN) train -m model=tiny train.max_steps=40 train.log_interval=2 train.eval_interval=10 \
+	    train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=0 train.progress=false \
+	    'optim.lr=1e-3,3e-3' parallel=ddp world=2 $(ARGS)
+
+report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); the files go into that folder
+	@dir="$(RUN)"; \
+	if [ -z "$$dir" ]; then \
+	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
+	    [ -n "$$latest" ] && dir=$$(dirname "$$latest"); \
+	fi; \
+	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
+	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
 test: setup ## run the test suite (real multi-process gloo tests included)
 	$(VENV)/bin/pytest -q $(ARGS)
@@ -43,6 +57,9 @@ smoke-zero: setup ## a few steps of DDP + ZeRO, world 2
 	$(DTRAIN) train $(SMOKE) parallel=zero world=2 hydra.run.dir=outputs/smoke/zero-$$(date +%s%N)
 smoke-fsdp: setup ## a few steps of FSDP2, world 2
 	$(DTRAIN) train $(SMOKE) parallel=fsdp world=2 hydra.run.dir=outputs/smoke/fsdp-$$(date +%s%N)
+
+bench: setup ## tokens/s, step-time split and memory per rank for each parallel mode (ARGS="--model cpu16m --vs-bare ...")
+	$(PY) scripts/bench.py $(ARGS)
 
 clean: ## remove run outputs and caches (not .venv, not prepared data)
 	rm -rf outputs multirun .pytest_cache .ruff_cache build dist *.egg-info

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -166,8 +168,10 @@ def cmd_train(args: list[str]) -> None:
     if "RANK" in os.environ and os.environ["RANK"] != "0":
         # Under plain torchrun only rank 0 writes the run directory; the config that counts is
         # rank 0's, broadcast when the process group is up.
+        scratch = tempfile.mkdtemp(prefix="dtrain-rank")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
         args = args + [
-            f"hydra.run.dir={tempfile.mkdtemp(prefix='dtrain-rank')}",
+            f"hydra.run.dir={scratch}",
             "hydra.output_subdir=null",
             "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled",

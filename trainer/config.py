@@ -107,6 +107,9 @@ class TrainConfig:
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     sample_prompt: str = "ROMEO:"
     progress: bool = True  # rich progress bar on rank 0
+    # Peak FLOP/s of one worker's device, for the `mfu` field of metrics.jsonl. null = known GPUs
+    # only (H100/H200 989e12, A100 312e12 dense bf16); set it to get MFU elsewhere (e.g. a CPU).
+    peak_flops: Optional[float] = None
 
 
 @dataclass
@@ -276,6 +279,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.resume not in ("auto", "never") and not cfg.resume:
         raise ConfigError("resume= must be auto, never or a checkpoint path")
+    if t.peak_flops is not None and not t.peak_flops > 0:
+        raise ConfigError(f"train.peak_flops={t.peak_flops} must be a positive FLOP/s figure (or null)")
     if cfg.logger not in ("jsonl", "tensorboard"):
         raise ConfigError(f"logger={cfg.logger!r} is unknown; choose jsonl or tensorboard")
     batch_plan(cfg, requested_world(cfg))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -21,8 +22,13 @@ class WorkerFailed(Exception):
     """A worker died for a reason that is not the user's input; carries its error report."""
 
 
-def launch_workers(cfg_dict: dict, run_dir: Path, world: int) -> dict:
-    """Run worker_main on `world` workers (world / nnodes on this node); return rank 0's result."""
+def launch_workers(cfg_dict: dict, run_dir: Path, world: int, entrypoint: Callable[..., dict] = worker_main,
+                   args: tuple | None = None) -> dict:
+    """Run entrypoint(*args) on `world` workers (world / nnodes on this node); return rank 0's result.
+
+    The default is training: worker_main(cfg_dict, str(run_dir)). Another entrypoint (e.g. `dtrain
+    eval`'s) must be a module-level function (picklable) taking its own args.
+    """
     launch = cfg_dict["launch"]
     nnodes = launch["nnodes"]
     nproc = world // nnodes
@@ -39,18 +45,22 @@ def launch_workers(cfg_dict: dict, run_dir: Path, world: int) -> dict:
         run_id=rdzv_id,
         rdzv_backend=launch["rdzv_backend"],
         rdzv_endpoint=launch["rdzv_endpoint"],
-        rdzv_configs={"timeout": launch["rdzv_timeout"], "join_timeout": launch["rdzv_timeout"]},
+        rdzv_configs=_rdzv_configs(launch),
         max_restarts=launch["max_restarts"],
         monitor_interval=launch["monitor_interval"],
         start_method="spawn",
         logs_specs=logs,
+        local_addr=_node_network(launch),
     )
+    _quiet_user_errors()
     try:
-        results = elastic_launch(config, worker_main)(cfg_dict, str(run_dir))
+        call_args = args if args is not None else (cfg_dict, str(run_dir))
+        results = elastic_launch(config, entrypoint)(*call_args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)
-        if any(message.startswith(kind + ":") or f".{kind}:" in message.split("\n")[0] for kind in USER_ERROR_TYPES):
+        first = message.split("\n")[0]
+        if any(message.startswith(kind + ":") or f".{kind}:" in first for kind in USER_ERROR_TYPES):
             raise UserError(message.split(":", 1)[1].strip().split("\n")[0]) from None
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}):\n{message}") from None
     except Exception as err:  # rendezvous failures surface as several torch exception types
@@ -61,6 +71,115 @@ def launch_workers(cfg_dict: dict, run_dir: Path, world: int) -> dict:
             ) from None
         raise
     return results.get(0) if 0 in results else next(iter(results.values()), {})
+
+
+def _rdzv_configs(launch: dict) -> dict:
+    configs = {"timeout": launch["rdzv_timeout"], "join_timeout": launch["rdzv_timeout"]}
+    if launch["nnodes"] > 1 and launch["rdzv_backend"] == "c10d" and _hosts_endpoint(launch["rdzv_endpoint"]):
+        # torch decides who hosts the c10d store by comparing the endpoint with this machine's
+        # hostname; a node whose address is on a secondary interface (a cluster network, a
+        # container's veth) would then host nothing and every node would wait for a server.
+        configs["is_host"] = True
+    return configs
+
+
+def _hosts_endpoint(endpoint: str) -> bool:
+    """Whether the rendezvous endpoint is an address of this machine whose port is free here."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    if _matches_machine_hostname(host):
+        return False  # torch's own check already finds it (and falls back if the port is taken)
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+def _node_network(launch: dict) -> str | None:
+    """For multi-node runs: this node's address on the route to the rendezvous host.
+
+    torch advertises `socket.getfqdn()` as the workers' store address by default, and gloo binds
+    to whatever the hostname resolves to; on hosts whose name resolves to another interface (or
+    to localhost) the other nodes then cannot connect. The address this node uses to reach the
+    rendezvous endpoint is one they can reach, so it is advertised instead, and gloo is pointed
+    at its interface unless GLOO_SOCKET_IFNAME is already set.
+    """
+    import socket
+
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if launch["nnodes"] <= 1 or launch["rdzv_backend"] != "c10d":
+        return None
+    host, port = parse_rendezvous_endpoint(launch["rdzv_endpoint"], default_port=29400)
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port or 29400, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.connect(address)  # UDP: picks the route, sends nothing
+            local = sock.getsockname()[0]
+    except OSError:
+        return None
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = _interface_of(local)
+        if name and name != "lo":
+            os.environ["GLOO_SOCKET_IFNAME"] = name  # inherited by the workers
+    return local
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface holding an IPv4 address (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for name in names:
+                try:
+                    request = struct.pack("256s", name.encode()[:15])
+                    packed = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if socket.inet_ntoa(packed[20:24]) == address:
+                    return name
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _DropUserErrorReports:
+    """A logging filter: torchelastic logs every failed worker with its traceback, and torch's
+    spawn logs each sibling it terminates after a failure. For a user error the driver prints one
+    line instead, so those reports are dropped (a crash keeps its traceback)."""
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        if text.startswith("Terminating process") and "via signal" in text:
+            return False
+        return not any(f"trainer.errors.{kind}:" in text for kind in USER_ERROR_TYPES)
+
+
+def _quiet_user_errors() -> None:
+    import logging
+
+    names = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropUserErrorReports) for f in logger.filters):
+            logger.addFilter(_DropUserErrorReports())
 
 
 def _failure_message(failure) -> str:

@@ -12,6 +12,7 @@ import torch
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split
+from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
 from trainer.model import build_model
 from trainer.optim import lr_at, set_lr
@@ -47,6 +48,9 @@ class Run:
         self.plan: BatchPlan = batch_plan(cfg, rt.world)
         # The same seed on every rank: replicas start identical without a broadcast.
         torch.manual_seed(cfg.train.seed)
+        if rt.device.type == "cuda":
+            # TF32 tensor cores for the fp32 matmuls left outside autocast (bf16 does the rest).
+            torch.set_float32_matmul_precision("high")
         self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
@@ -60,6 +64,7 @@ class Run:
         if cfg.train.compile:
             self.forward = torch.compile(self.model)
         self.state = TrainState()
+        self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
     def _val_loader(self) -> ShardLoader:
         """Validation reads the first eval_batches micro batches (rounded up to whole rounds of
@@ -99,7 +104,9 @@ class Run:
             x, y = self.train_loader.next_batch()
             with self.strategy.micro_step(self.model, is_last=micro == accum - 1):
                 with self.strategy.autocast():
-                    _, loss = self.forward(x, y)
+                    # Only the loss: holding the logits (B x T x vocab) through backward would keep
+                    # the largest activation alive for nothing.
+                    loss = self.forward(x, y)[1]
                 # Each micro-step's gradient is 1/accum of the step's mean-loss gradient.
                 (loss / accum).backward()
             loss_sum += loss.detach()
@@ -161,55 +168,33 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
             f"{rt.world} ranks x {run.plan.grad_accum_steps} accum | run dir {run_dir}"
             + (f" | resumed at step {start_step}" if start_step else "")
         )
+    steps = StepLog(run, metrics, view)
     t_start = time.perf_counter()
-    t_window, tokens_window = t_start, 0
-    trained_tokens = 0
+    steps.restart_window(t_start)
     try:
         for step in range(start_step, t.max_steps):
             loss, grad_norm, lr = run.train_step(step)
-            state.step = step + 1
-            state.tokens += run.plan.total_batch_size
-            tokens_window += run.plan.total_batch_size
-            trained_tokens += run.plan.total_batch_size
+            steps.after_step(step, loss, grad_norm, lr)
             last = state.step == t.max_steps
-            if state.step % t.log_interval == 0 or last or state.step == start_step + 1:
-                loss_value = rt.all_reduce_mean(loss).item()  # the only host sync of a step
-                now = time.perf_counter()
-                tokens_per_s = tokens_window / (now - t_window)
-                t_window, tokens_window = now, 0
-                state.last_loss = loss_value
-                metrics.log(
-                    {
-                        "step": state.step,
-                        "tokens": state.tokens,
-                        "loss": loss_value,
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens_per_s": tokens_per_s,
-                    }
-                )
-                view.update(
-                    state.step, f"loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s"
-                )
             if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
                 val = run.val_loss()
                 state.best_val_loss = min(state.best_val_loss, val)
                 metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val})
                 view.print(f"step {state.step}: val loss {val:.4f}")
-                t_window = time.perf_counter()  # tokens/s measures training, not evaluation
+                steps.restart_window()  # tokens/s measures training, not evaluation
             if hellaswag is not None and (state.step % cfg.eval.interval == 0 or last):
                 hs = hellaswag.evaluate(run.strategy.inference_model(run.model), rt, run.strategy.autocast)
                 metrics.log({"step": state.step, "tokens": state.tokens, **hs.metrics()})
                 view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} acc {hs.acc:.4f} (n={hs.n})")
-                t_window = time.perf_counter()
+                steps.restart_window()
             if checkpointer is not None and checkpointer.after_step(run, last):
-                t_window = time.perf_counter()
+                steps.restart_window()
         wall = time.perf_counter() - t_start
         result = RunResult(
             final_loss=state.last_loss,
             best_val_loss=state.best_val_loss,
             tokens=state.tokens,
-            tokens_per_s=trained_tokens / wall if wall > 0 else 0.0,
+            tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
             wall_s=wall,
             steps=state.step,
         )
@@ -226,6 +211,56 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
         metrics.close()
         if checkpointer is not None:
             checkpointer.close()
+
+
+class StepLog:
+    """The loop's bookkeeping after each optimizer step: counters, and every log_interval steps
+    (and on the first and last) one host sync for the loss, tokens/s, MFU and the log record."""
+
+    def __init__(self, run: Run, metrics: MetricsLogger, view: ProgressView):
+        self.run, self.metrics, self.view = run, metrics, view
+        t = run.cfg.train
+        self.log_interval, self.max_steps = t.log_interval, t.max_steps
+        self.first_step = run.state.step + 1
+        self.tokens_per_step = run.plan.total_batch_size
+        # MFU = model FLOPs per token x tokens/s over the peak of every device (all ranks' tokens).
+        peak = device_peak_flops(run.rt.device, t.peak_flops)
+        self.peak_total = peak * run.rt.world if peak else None
+        self.trained_tokens = 0
+        self.restart_window()
+
+    def restart_window(self, now: float | None = None) -> None:
+        """Start a new tokens/s window (after evaluation or checkpointing, which are not training)."""
+        self.t_window = time.perf_counter() if now is None else now
+        self.tokens_window = 0
+
+    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        state = self.run.state
+        state.step = step + 1
+        state.tokens += self.tokens_per_step
+        self.tokens_window += self.tokens_per_step
+        self.trained_tokens += self.tokens_per_step
+        if state.step % self.log_interval and state.step != self.max_steps and state.step != self.first_step:
+            return
+        loss_value = self.run.rt.all_reduce_mean(loss).item()  # the only host sync of a step
+        now = time.perf_counter()
+        tokens_per_s = self.tokens_window / (now - self.t_window)
+        self.restart_window(now)
+        state.last_loss = loss_value
+        record = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+        }
+        status = f"loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s"
+        if self.peak_total:
+            record["mfu"] = self.run.flops_per_token * tokens_per_s / self.peak_total
+            status += f" mfu {record['mfu']:.1%}"
+        self.metrics.log(record)
+        self.view.update(state.step, status)
 
 
 def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:

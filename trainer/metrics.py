@@ -46,7 +46,8 @@ class MetricsLogger:
         if tensorboard:
             from trainer.tensorboard import open_writer
 
-            self._tb = open_writer(run_dir, purge_step=resume_step or None)
+            # TensorBoard hides events at steps >= purge_step: keep the resumed step itself
+            self._tb = open_writer(run_dir, purge_step=resume_step + 1 if resume_step else None)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines past the resumed step, so a resume logs no step twice and none is missing."""

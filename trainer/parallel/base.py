@@ -6,6 +6,12 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from trainer.model import GPT
 from trainer.optim import build_adamw
@@ -62,6 +68,53 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+    # --- checkpoint state (saved and loaded with torch.distributed.checkpoint) ----------------
+    # Model state: {parameter name: tensor} with GPT's names, full or sharded (DTensor) as this
+    # mode holds it; a tied alias (lm_head.weight = transformer.wte.weight) appears once.
+    # Optimizer state: {parameter name: {"step", "exp_avg", "exp_avg_sq": tensor}}, keyed by name
+    # so it reshards across world sizes and modes. Hyperparameters come from the config.
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        raw = self.unwrap(model)
+        state = get_model_state_dict(raw)
+        for alias in tied_aliases(raw):
+            state.pop(alias, None)
+        return state
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        raw = self.unwrap(model)
+        full = dict(state)
+        for alias, name in tied_aliases(raw).items():
+            full[alias] = full[name]
+        set_model_state_dict(raw, full)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return get_optimizer_state_dict(self.unwrap(model), optimizer)["state"]
+
+    def optimizer_state_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Tensors of the right shapes (and sharding) for a checkpoint's optimizer state to load
+        into. (An optimizer with no state yet gets it from a zero-lr step, as DCP does.)"""
+        return self.optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        raw = self.unwrap(model)
+        full = get_optimizer_state_dict(raw, optimizer)  # this run's param groups and hyperparameters
+        full["state"] = state
+        set_optimizer_state_dict(raw, optimizer, full)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{alias: name} for parameters registered under a second name (GPT's lm_head / wte tie)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def compute_dtype(spec: str, device: torch.device) -> torch.dtype:

@@ -1,0 +1,390 @@
+"""Checkpoints: atomic DCP saves, bit-exact resume after kill -9 in every mode, resharding across
+world sizes, and one-line errors for bad checkpoints (exit code 2, previous checkpoint intact)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, dtrain_env, run_dtrain, tiny_args, train_losses
+
+from trainer.checkpoint import (
+    MARKER,
+    checkpoint_step,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model_weights,
+    model_from_run,
+    read_metadata,
+    validate_checkpoint,
+)
+from trainer.errors import CheckpointError
+
+STEPS = 12
+# Accumulation on, a checkpoint every 4 steps; the global batch is 4 x 64 x world x accum tokens.
+CKPT_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=4", "train.grad_accum_steps=2")
+MODES = {  # mode -> overrides; every distributed mode at world 2
+    "none": (),
+    "ddp": ("parallel=ddp", "world=2"),
+    "zero": ("parallel=zero", "world=2", "checkpoint.async_save=true"),
+    "fsdp": ("parallel=fsdp", "world=2"),
+}
+# ZeroRedundancyOptimizer's steps equal DDP's bit for bit, so zero shares DDP's reference run.
+REFERENCE_OF = {"none": "none", "ddp": "ddp", "zero": "ddp", "fsdp": "fsdp"}
+_REFERENCES: dict[str, Path] = {}
+
+
+def reference_run(mode: str, data_dir: Path, root: Path) -> Path:
+    """An uninterrupted run (cached for the session; test_elastic and test_export reuse them)."""
+    mode = REFERENCE_OF[mode]
+    if mode not in _REFERENCES:
+        run_dir = root / f"reference_{mode}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode]), check=True)
+        _REFERENCES[mode] = run_dir
+    return _REFERENCES[mode]
+
+
+@pytest.fixture(scope="session")
+def references(data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("references")
+    return lambda mode: reference_run(mode, data_dir, root)
+
+
+# --- helpers: run dtrain in the background and kill it ----------------------------------------------
+def start_dtrain(args: list[str], log: Path) -> subprocess.Popen:
+    """dtrain in its own session (process group), so one killpg takes the driver and its workers."""
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=dtrain_env(),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if "loss" in record:
+                steps.append(record["step"])
+    return steps
+
+
+def past_a_checkpoint(run_dir: Path) -> bool:
+    """A complete checkpoint exists and a later step has been logged."""
+    ckpt = latest_checkpoint(run_dir)
+    steps = logged_steps(run_dir)
+    return ckpt is not None and bool(steps) and max(steps) > checkpoint_step(ckpt)
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"dtrain ended (exit code {proc.returncode}) before the condition held:\n"
+                                 f"{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"timed out after {timeout} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def loss_records(run_dir: Path) -> list[tuple[int, float, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    ma, _ = model_from_run(a)
+    mb, _ = model_from_run(b)
+    return all(torch.equal(x, y) for x, y in zip(ma.state_dict().values(), mb.state_dict().values()))
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The error of a failed dtrain: exit code 2, one `error:` line, no traceback."""
+    assert proc.returncode == 2, f"exit code {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+# --- exactness: kill -9 and resume --------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_path):
+    reference = references(mode)
+    run_dir = tmp_path / "run"
+    args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode])
+    log = tmp_path / "killed.log"
+    proc = start_dtrain(args, log)
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    killed_at = max(logged_steps(run_dir))
+    resumed_from = checkpoint_step(latest_checkpoint(run_dir))
+    assert killed_at < STEPS
+    if mode == "none":
+        # What a kill in the middle of a save leaves: a temporary folder and a folder with no
+        # completion marker. Both are ignored, and removed on the next start.
+        ckpts = run_dir / "checkpoints"
+        (ckpts / ".tmp_step_000099").mkdir()
+        (ckpts / ".tmp_step_000099" / "__0_0.distcp").write_bytes(b"partial")
+        shutil.copytree(latest_checkpoint(run_dir), ckpts / "step_000010")
+        (ckpts / "step_000010" / MARKER).unlink()
+        assert checkpoint_step(latest_checkpoint(run_dir)) == resumed_from
+
+    proc = run_dtrain(args)  # the same command: resume=auto
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {run_dir / 'checkpoints'}/step_{resumed_from:06d}" in proc.stderr
+    records = loss_records(run_dir)
+    assert [r[0] for r in records] == list(range(1, STEPS + 1)), "metrics.jsonl lost or repeated a step"
+    # Every logged loss and grad norm, before and after the resume, equals the uninterrupted run's.
+    assert records == loss_records(reference)
+    assert same_weights(run_dir, reference)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_000004", "step_000008", "step_000012"], names  # partial saves cleaned up
+
+
+# --- resharding: written at world 2, resumed at world 1 and 4 -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "target"), [
+    ("ddp", ("parallel=none", "world=1")),
+    ("fsdp", ("parallel=fsdp", "world=4")),
+])
+def test_resume_at_another_world_size(source, target, data_dir, references, tmp_path):
+    reference = references(source)
+    run_dir = tmp_path / "resharded"
+    total = 4 * 64 * 2 * 2  # the reference's global batch: accumulation adapts to the new world
+    args = tiny_args(data_dir, run_dir, f"train.max_steps={STEPS}", f"train.total_batch_size={total}",
+                     f"resume={reference / 'checkpoints' / 'step_000004'}", *target)
+    run_dtrain(args, check=True)
+    want, got = train_losses(reference), train_losses(run_dir)
+    assert sorted(got) == list(range(5, STEPS + 1))
+    assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
+
+
+# --- bad input: one clear line, exit code 2, the previous checkpoint intact -----------------------------
+def copy_run(reference: Path, dest: Path) -> Path:
+    """A run dir holding the reference's metrics, config record and newest checkpoint."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "resolved_config.json"):
+        shutil.copy(reference / name, dest / name)
+    newest = latest_checkpoint(reference)
+    shutil.copytree(newest, dest / "checkpoints" / newest.name)
+    return dest / "checkpoints" / newest.name
+
+
+def _damage(kind: str, ckpt: Path) -> str:
+    shard = sorted(ckpt.glob("*.distcp"))[-1]
+    if kind == "missing shard":
+        shard.unlink()
+        return f"missing shard file {shard.name}"
+    if kind == "truncated shard":
+        with shard.open("r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+        return f"truncated shard file {shard.name}"
+    if kind == "garbage metadata":
+        (ckpt / ".metadata").write_bytes(b"\x80\x04not a pickle")
+        return "corrupt .metadata"
+    if kind == "another model":
+        return "written for another model"
+    raise ValueError(kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "mode"), [
+    ("truncated shard", "none"),
+    ("another model", "ddp"),  # a worker's CheckpointError through the elastic launcher
+])
+def test_bad_checkpoint_is_one_clear_error(kind, mode, data_dir, references, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt = copy_run(references(mode), run_dir)
+    expected = _damage(kind, ckpt)
+    before = {p.name: p.stat().st_size for p in ckpt.iterdir()}
+    extra = ("model.n_layer=3",) if kind == "another model" else ()
+    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14", *MODES[mode], *extra))
+    line = one_line_error(proc)
+    assert expected in line and str(ckpt) in line, line
+    assert {p.name: p.stat().st_size for p in ckpt.iterdir()} == before  # left as it was
+
+
+@pytest.mark.parametrize("kind", ["missing shard", "truncated shard", "garbage metadata"])
+def test_damaged_checkpoint_is_named(kind, references, tmp_path):
+    """What a resume checks before any rank reads a tensor (the same checks as above, in-process)."""
+    ckpt = copy_run(references("none"), tmp_path / "run")
+    expected = _damage(kind, ckpt)
+    with pytest.raises(CheckpointError, match=expected) as info:
+        validate_checkpoint(ckpt)
+    assert str(ckpt) in str(info.value)
+    assert latest_checkpoint(tmp_path / "run") == ckpt  # still listed: the error names it
+
+
+def test_resume_path_must_be_a_checkpoint(data_dir, tmp_path):
+    from trainer.rundir import check_run_dir
+
+    not_ckpt = tmp_path / "somewhere"
+    not_ckpt.mkdir()
+    (not_ckpt / "notes.txt").write_text("hi")
+    partial = tmp_path / "old" / "checkpoints" / "step_000004"
+    partial.mkdir(parents=True)
+    (partial / ".metadata").write_bytes(b"")
+    for path, expected in [(not_ckpt, "holds no complete checkpoint"), (partial, "incomplete checkpoint")]:
+        with pytest.raises(CheckpointError, match=expected):
+            check_run_dir(tmp_path / "run", str(path))
+    missing = tmp_path / "missing"
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", f"resume={missing}"))
+    line = one_line_error(proc)
+    assert "does not exist" in line and str(missing) in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_resume_never_and_auto_decide_on_complete_checkpoints(references, tmp_path, monkeypatch):
+    from trainer.errors import UserError
+    from trainer.rundir import check_run_dir
+
+    run_dir = tmp_path / "run"
+    ckpt = copy_run(references("none"), run_dir)
+    check_run_dir(run_dir, "auto")  # continues it
+    with pytest.raises(UserError, match="resume=never"):
+        check_run_dir(run_dir, "never")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    check_run_dir(run_dir, "never")  # a restarted attempt of the same job continues its own run
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    (ckpt / MARKER).unlink()  # only an interrupted save left: nothing to resume, metrics.jsonl is there
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        check_run_dir(run_dir, "auto")
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _make_immutable(path: Path, on: bool) -> bool:
+    if not shutil.which("chattr"):
+        return False
+    return subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True).returncode == 0
+
+
+def _assert_intact(run_dir: Path, ckpt: Path, reference: Path) -> None:
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [ckpt.name]  # the failed save cleaned up
+    validate_checkpoint(ckpt)
+    assert same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, references, tmp_path):
+    reference = references("none")
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    size = sum(p.stat().st_size for p in latest_checkpoint(reference).iterdir())
+    # A file system with room for the checkpoint resumed from and half of the next one.
+    if not _mount_tmpfs(ckpts, str(int(size * 1.5))):
+        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN) to fill a disk")
+    try:
+        ckpt = copy_run(reference, run_dir)
+        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14"))
+        line = one_line_error(proc)
+        assert "could not save checkpoint step_000014" in line and "no space left on the device" in line, line
+        assert f"the previous checkpoint {ckpt} is intact" in line, line
+        _assert_intact(run_dir, ckpt, reference)
+    finally:
+        subprocess.run(["umount", str(ckpts)], capture_output=True)
+
+
+def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, references, tmp_path):
+    """A permission error while saving (an immutable checkpoints/ folder: root ignores plain
+    permissions), through the real Run and Checkpointer in this process."""
+    from trainer.checkpoint import Checkpointer
+    from trainer.cli import compose
+    from trainer.loop import Run
+    from trainer.runtime import Runtime
+
+    reference = references("none")
+    run_dir = tmp_path / "run"
+    ckpt = copy_run(reference, run_dir)
+    overrides = tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14", "train.device=cpu")[1:]
+    cfg = compose([o for o in overrides if not o.startswith("hydra.")])
+    rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
+    run = Run(cfg, rt, run_dir)
+    checkpointer = Checkpointer(cfg, rt, run_dir)
+    checkpointer.restore(run)
+    assert run.state.step == STEPS
+    if not _make_immutable(run_dir / "checkpoints", True):
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        run.state.step += 2
+        with pytest.raises(CheckpointError) as info:
+            checkpointer.save(run)
+    finally:
+        _make_immutable(run_dir / "checkpoints", False)
+    message = str(info.value)
+    assert "could not save checkpoint step_000014" in message, message
+    assert "Operation not permitted" in message, message
+    assert f"the previous checkpoint {ckpt} is intact" in message and "\n" not in message
+    _assert_intact(run_dir, ckpt, reference)
+
+
+# --- in-process: the checkpoint files themselves ------------------------------------------------------
+def test_checkpoint_layout_and_retention(references):
+    reference = references("none")
+    found = list_checkpoints(reference / "checkpoints")
+    assert [p.name for p in found] == ["step_000004", "step_000008", "step_000012"]  # keep=3 (the default)
+    ckpt = found[-1]
+    assert is_complete(ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == STEPS and state["tokens"] == STEPS * 4 * 64 * 2
+    assert len(state["loaders"]) == len(state["rng"]) == 1
+    assert set(state["rng"][0]) >= {"torch", "numpy", "python"}
+    assert json.loads((ckpt / "config.json").read_text())["model"]["name"] == "tiny"
+    assert not [p for p in (reference / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_metadata_unpickler_refuses_code(references, tmp_path):
+    ckpt = tmp_path / "evil"
+    shutil.copytree(latest_checkpoint(references("none")), ckpt)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="not allowed"):
+        read_metadata(ckpt)
+    with pytest.raises(CheckpointError):
+        load_model_weights(model_from_run(references("none"))[0], ckpt)
+    assert not marker.exists()
+
+
+def test_load_model_weights_from_sharded_checkpoints(references):
+    """The FSDP (sharded) and DDP reference runs trained the same model: loading either into a
+    plain GPT in this process gives the same weights (to float rounding)."""
+    fsdp, _ = model_from_run(references("fsdp"))
+    ddp, _ = model_from_run(references("ddp"))
+    for (name, a), b in zip(fsdp.state_dict().items(), ddp.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name
+    assert fsdp.lm_head.weight is fsdp.transformer.wte.weight  # the tie survives loading
+    with pytest.raises(CheckpointError, match="no complete checkpoint at step 5"):
+        model_from_run(references("ddp"), step=5)

@@ -1,0 +1,142 @@
+"""`dtrain export` (Hugging Face GPT-2 safetensors + config.json) and `dtrain sample`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.checkpoint import Checkpointer, latest_checkpoint, model_from_run
+from trainer.cli import compose, main
+from trainer.commands.export import CONV1D_WEIGHTS, cmd_export
+from trainer.commands.sample import cmd_sample
+from trainer.errors import UserError
+from trainer.loop import TrainState
+from trainer.model import build_model
+from trainer.parallel import make_strategy
+from trainer.runtime import Runtime
+
+pytest.importorskip("safetensors")
+
+
+class _Loader:
+    def state_dict(self):
+        return {"epoch": 0, "shard_pos": 0, "token_offset": 0}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny GPT (vocabulary padded to 50304) trained three AdamW steps in this process and
+    checkpointed with the real Checkpointer; returns (run dir, the live trained model)."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    cfg = compose(["model=tiny", "model.pad_vocab_multiple=64", "train.device=cpu"])
+    rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
+    torch.manual_seed(0)
+    strategy = make_strategy(cfg.parallel, cfg.train, rt)
+    model = strategy.wrap(build_model(cfg.model))
+    optimizer = strategy.build_optimizer(model, cfg.optim)
+    for _ in range(3):
+        x = torch.randint(0, 50257, (2, 16))
+        model(x, torch.roll(x, -1, 1))[1].backward()
+        strategy.optimizer_step(optimizer)
+    run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
+                          state=TrainState(step=3, tokens=96), plan=SimpleNamespace(total_batch_size=32))
+    checkpointer = Checkpointer(cfg, rt, run_dir)
+    checkpointer.save(run)
+    checkpointer.close()
+    return run_dir, model.eval()
+
+
+def test_export_round_trips_to_the_trained_model(trained, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    run_dir, live = trained
+    out = tmp_path / "hf"
+    cmd_export([str(run_dir), "--out", str(out)])
+    assert "exported" in capsys.readouterr().out
+    tensors = load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
+    shape = [config[k] for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")]
+    assert shape == [2, 2, 64, 128, 50257]
+    assert "lm_head.weight" not in tensors  # tied to transformer.wte.weight, as save_pretrained writes it
+    assert tensors["transformer.wte.weight"].shape == (50257, 64)  # padded rows dropped
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D: (in, out)
+    assert tensors["transformer.h.1.mlp.c_proj.weight"].shape == (256, 64)
+
+    # Back into our GPT: transpose the Conv1D weights, pad the vocabulary again.
+    model = build_model(compose(["model=tiny", "model.pad_vocab_multiple=64"]).model).eval()
+    state = {}
+    for name, tensor in tensors.items():
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        if name == "transformer.wte.weight":
+            tensor = torch.cat([tensor, torch.zeros(50304 - 50257, 64)])
+        state[name] = tensor
+    state["lm_head.weight"] = state["transformer.wte.weight"]
+    model.load_state_dict(state)
+    idx = torch.randint(0, 50257, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], live(idx)[0])
+
+
+def test_export_loads_in_transformers(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run_dir, live = trained
+    out = tmp_path / "hf"
+    cmd_export([str(run_dir), "--out", str(out)])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    idx = torch.randint(0, 50257, (2, 24))
+    with torch.no_grad():
+        assert torch.allclose(hf(idx).logits, live(idx)[0], atol=1e-4)
+
+
+def test_model_from_run_gives_the_trained_weights(trained):
+    run_dir, live = trained
+    model, cfg = model_from_run(run_dir)
+    assert cfg.model.pad_vocab_multiple == 64
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), live.state_dict().values()))
+    state = json.loads((latest_checkpoint(run_dir) / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["best_val_loss"] is None
+
+
+def test_export_without_safetensors_is_one_line(trained, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(UserError, match=r"pip install 'dtrain\[export\]'"):
+        cmd_export([str(trained[0]), "--out", str(tmp_path / "x")])
+
+
+def test_sample_prints_a_continuation(trained, capsys):
+    cmd_sample([str(trained[0]), "--prompt", "ROMEO:", "--tokens", "5", "--seed", "1"])
+    first = capsys.readouterr().out
+    cmd_sample([str(trained[0]), "--prompt", "ROMEO:", "--tokens", "5", "--seed", "1"])
+    assert first.startswith("ROMEO:") and len(first) > len("ROMEO:\n")
+    assert capsys.readouterr().out == first  # the seed makes it repeatable
+
+
+@pytest.mark.parametrize("argv", [
+    ["export"],
+    ["export", "RUN", "--step", "x"],
+    ["sample", "RUN", "--tokens", "0"],
+    ["sample", "RUN", "--bogus"],
+    ["sample", "/nonexistent/run"],
+    ["export", "RUN", "--step", "999"],
+])
+def test_command_errors_are_one_line(argv, trained, capsys):
+    argv = [str(trained[0]) if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_export_into_run_dir_by_default(trained):
+    run_dir, _ = trained
+    cmd_export([str(run_dir)])
+    assert (Path(run_dir) / "export" / "model.safetensors").is_file()

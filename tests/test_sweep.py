@@ -1,0 +1,193 @@
+"""Sweeps (`dtrain train -m`): one full run per point, summary.jsonl and the end table, failed
+points, fail_fast, re-runs that skip finished points and resume unfinished ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, run_dtrain
+
+from trainer.sweep import STATUS_FILE, SUMMARY_FILE, identity, labels
+
+
+def sweep_args(data_dir: Path, *extra: str) -> list[str]:
+    """A tiny-model sweep on the session dataset (the sweep values come in `extra`)."""
+    return ["train", "-m", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
+            "train.max_steps=6", "train.log_interval=1", "train.eval_interval=3", "train.eval_batches=2",
+            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
+            "optim.warmup_steps=2", *extra]
+
+
+def summary(sweep_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (sweep_dir / SUMMARY_FILE).read_text().splitlines()]
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir, tmp_path):
+    # The default sweep dir (multirun/${now:...}) under a fresh working directory: the only
+    # folder the sweep may create is that one (workers get the composed config, never compose).
+    proc = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2"), cwd=tmp_path)
+    assert proc.returncode == 0, output(proc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    (day,) = (tmp_path / "multirun").iterdir()
+    (sweep_dir,) = day.iterdir()
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
+
+    points = summary(sweep_dir)
+    assert [p["num"] for p in points] == [0, 1]
+    assert [p["status"] for p in points] == ["ok", "ok"]
+    assert ["optim.lr=0.001" in p["overrides"] for p in points] == [True, False]
+    assert ["optim.lr=0.003" in p["overrides"] for p in points] == [False, True]
+    for point in points:
+        assert Path(point["run_dir"]) == (sweep_dir / str(point["num"])).resolve()
+        records = read_metrics(sweep_dir / str(point["num"]))
+        assert records[-1]["summary"]["steps"] == 6
+        assert point["final_loss"] == pytest.approx(records[-1]["summary"]["final_loss"])
+        assert point["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in records if "val_loss" in r))
+        assert point["tokens_per_s"] > 0 and point["wall_s"] > 0
+        assert point["hellaswag_acc_norm"] is None
+        # a distributed run: rank 1 logged through torchrun's engine into the point's own folder
+        assert list((sweep_dir / str(point["num"]) / "logs").glob("*/attempt_0/1/stderr.log"))
+    # the end table lists every point, labelled by the override that differs
+    out = output(proc)
+    assert "optim.lr=0.001" in out and "optim.lr=0.003" in out and "2 points: 2 ok" in out
+
+    # the same command into the same sweep dir: both points finished, nothing is trained again
+    before = {n: (sweep_dir / n / "metrics.jsonl").read_text() for n in ("0", "1")}
+    again = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2",
+                                  f"hydra.sweep.dir={sweep_dir}"), cwd=tmp_path)
+    assert again.returncode == 0, output(again)
+    assert output(again).count("finished earlier") == 2
+    assert {n: (sweep_dir / n / "metrics.jsonl").read_text() for n in ("0", "1")} == before
+    assert [p["status"] for p in summary(sweep_dir)] == ["ok", "ok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+
+
+def test_a_failed_point_is_recorded_and_the_sweep_goes_on(data_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # cuda:99 passes config validation and fails in the worker at run time
+    args = sweep_args(data_dir, "train.device=cuda:99,cpu", f"hydra.sweep.dir={sweep_dir}")
+    proc = run_dtrain(args)
+    assert proc.returncode == 1, output(proc)
+    failed, ok = summary(sweep_dir)
+    assert failed["status"] == "failed" and "cuda" in failed["error"]
+    assert (sweep_dir / "0" / "error.txt").exists()
+    assert ok["status"] == "ok" and ok["final_loss"] is not None
+    out = output(proc)
+    assert "sweep point #0 failed" in out and "1 failed, 1 ok" in out
+    assert "train.device=cuda\\:99" in out and "train.device=cpu" in out  # both rows of the table
+
+    # a re-run tries the failed point again and skips the finished one
+    ok_metrics = (sweep_dir / "1" / "metrics.jsonl").read_text()
+    again = run_dtrain(args)
+    assert again.returncode == 1, output(again)
+    assert "sweep point #1 finished earlier" in output(again)
+    assert (sweep_dir / "1" / "metrics.jsonl").read_text() == ok_metrics
+    assert [p["status"] for p in summary(sweep_dir)] == ["failed", "ok"]
+
+
+def test_fail_fast_stops_at_the_first_failed_point(data_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = run_dtrain(sweep_args(data_dir, "sweep.fail_fast=true", "train.device=cuda:99,cpu",
+                                 f"hydra.sweep.dir={sweep_dir}"))
+    assert proc.returncode == 1, output(proc)
+    failed, skipped = summary(sweep_dir)
+    assert failed["status"] == "failed"
+    assert skipped["status"] == "skipped" and "fail_fast" in skipped["error"]
+    assert not (sweep_dir / "1" / "metrics.jsonl").exists()
+
+
+def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = sweep_args(data_dir, "checkpoint.interval=3", "optim.lr=1e-3", f"hydra.sweep.dir={sweep_dir}")
+    proc = run_dtrain(args)
+    assert proc.returncode == 0, output(proc)
+    point = sweep_dir / "0"
+    checkpoints = point / "checkpoints"
+    if not (checkpoints / "step_000003").is_dir():
+        pytest.skip("no periodic checkpoints were written (trainer/checkpoint.py not in place)")
+    # make it look killed after step 3: the final checkpoint and everything logged later gone
+    import shutil
+
+    shutil.rmtree(checkpoints / "step_000006")
+    kept = [r for r in read_metrics(point) if r["step"] <= 3]
+    (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    status = json.loads((point / STATUS_FILE).read_text())
+    (point / STATUS_FILE).write_text(json.dumps({**status, "status": "running"}))
+
+    again = run_dtrain(args)
+    assert again.returncode == 0, output(again)
+    assert "resuming it from its checkpoint" in output(again)
+    records = read_metrics(point)
+    assert records[: len(kept)] == kept  # steps 1-3 were not trained again
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert records[-1]["summary"]["steps"] == 6
+    assert summary(sweep_dir)[0]["status"] == "ok"
+
+
+def test_a_sweep_dir_holding_another_sweep_is_refused_before_anything_runs(data_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    (sweep_dir / "0").mkdir(parents=True)
+    other = {"num": 0, "status": "ok", "overrides": ["optim.lr=0.5"]}
+    (sweep_dir / "0" / STATUS_FILE).write_text(json.dumps(other))
+    proc = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep_dir}"))
+    assert proc.returncode == 2, output(proc)
+    assert "holds another sweep" in proc.stderr and "optim.lr=0.5" in proc.stderr
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["0"]
+
+
+def test_identity_ignores_sweep_and_hydra_settings():
+    assert identity(["optim.lr=0.1", "sweep.fail_fast=true", "hydra.sweep.dir=x", "world=2"]) == [
+        "optim.lr=0.1", "world=2"]
+
+
+def test_labels_name_the_overrides_that_differ():
+    runs = [["model=tiny", "optim.lr=0.001", "world=2"], ["model=tiny", "optim.lr=0.003", "world=2"]]
+    assert labels(runs, ["0", "1"]) == (["optim.lr=0.001", "optim.lr=0.003"], ["model=tiny", "world=2"])
+    assert labels([["model=tiny"]], ["run"]) == (["run"], ["model=tiny"])
+
+
+def plugin_installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no hydra_plugins package at all
+        return False
+
+
+@pytest.mark.parametrize("override, extra, module", [
+    ("hparams_search=optuna_lr", "optuna", "hydra_plugins.hydra_optuna_sweeper"),
+    ("hydra/launcher=slurm", "slurm", "hydra_plugins.hydra_submitit_launcher"),
+])
+def test_a_missing_hydra_plugin_names_the_extra_to_install(override, extra, module, tmp_path):
+    if plugin_installed(module):
+        pytest.skip(f"{module} is installed")
+    proc = run_dtrain(["train", "-m", override, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert proc.returncode == 2
+    assert f"pip install 'dtrain[{extra}]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.skipif(not plugin_installed("hydra_plugins.hydra_optuna_sweeper"),
+                    reason="the optional extra 'optuna' is not installed")
+def test_optuna_search_minimises_the_best_val_loss(data_dir, tmp_path):
+    from omegaconf import OmegaConf
+
+    sweep_dir = tmp_path / "sweep"
+    args = sweep_args(data_dir, "hparams_search=optuna_lr", "hydra.sweeper.n_trials=2",
+                      f"hydra.sweep.dir={sweep_dir}")
+    proc = run_dtrain(args)
+    assert proc.returncode == 0, output(proc)
+    points = summary(sweep_dir)
+    assert [p["status"] for p in points] == ["ok", "ok"]
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    assert best.best_value == pytest.approx(min(p["best_val_loss"] for p in points))
+    # the seeded sampler proposes the same trials again: a re-run skips both
+    again = run_dtrain(args)
+    assert again.returncode == 0 and output(again).count("finished earlier") == 2, output(again)

@@ -1,0 +1,276 @@
+"""`dtrain eval RUN_DIR`: HellaSwag accuracy of a run's newest checkpoint, on 1 or N workers.
+
+    dtrain eval RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N]
+                        [eval.hellaswag.path=FILE] [eval.hellaswag.batch_examples=B] [key=value ...]
+
+The run's recorded config gives the model, the data dir (where the HellaSwag download is cached)
+and eval.hellaswag.*; eval.limit starts at null (every example); the overrides are dotted keys of
+the same schema. `world` and `parallel` default to 1 and `none` (a full replica per worker, each
+scoring its share); parallel=fsdp shards the weights over the workers. `ckpt=` picks a checkpoint
+(a step_* folder or a run dir; default: this run's newest) or a plain state_dict file (torch.save
+of GPT.state_dict()). With world > 1 the workers start through torchrun's engine, like training;
+under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval RUN_DIR`) every
+rank runs this command and they join one group. Rank 0 shows a progress bar (on a terminal;
+train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
+from trainer.errors import CheckpointError, ConfigError, UserError
+
+RESULT_FILE = "eval_hellaswag.json"
+USAGE = ("usage: dtrain eval RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
+         "[eval.hellaswag.path=FILE] [key=value ...]")
+
+
+def cmd_eval(argv: list[str]) -> dict:
+    from trainer.runtime import under_torchrun
+
+    run_dir, cfg, weights = eval_setup(argv)
+    cfg_dict = to_dict(cfg)
+    world = requested_world(cfg)
+    if under_torchrun():
+        return eval_worker(cfg_dict, str(run_dir), weights)
+    # Fetch the file once here, so a download problem is one clear line before any worker starts
+    # and the workers only read it.
+    from trainer.evals.hellaswag import hellaswag_file
+
+    cfg_dict["eval"]["hellaswag"]["path"] = str(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir))
+    if world == 1 and cfg.launch.nnodes == 1:
+        return eval_worker(cfg_dict, str(run_dir), weights)
+    from trainer.cli import fail
+    from trainer.launch import WorkerFailed, launch_workers
+
+    try:
+        return launch_workers(cfg_dict, run_dir, world, entrypoint=eval_worker,
+                              args=(cfg_dict, str(run_dir), weights))
+    except WorkerFailed as err:
+        fail(str(err), code=1)
+
+
+def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
+    """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
+    weights to load (a checkpoint dir or a state_dict file)."""
+    from trainer.rundir import read_config_record
+
+    positional = [a for a in argv if "=" not in a]
+    if len(positional) != 1 or any(a.startswith("-") for a in positional):
+        raise UserError(f"dtrain eval takes one run directory; {USAGE}")
+    run_dir = Path(positional[0]).expanduser().absolute()
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist; {USAGE}")
+    record = read_config_record(run_dir)
+    # The run's own world, mode and launch settings describe training, not this evaluation.
+    record["world"] = None
+    record.setdefault("parallel", {})["mode"] = "none"
+    record["launch"] = to_dict(OmegaConf.structured(LaunchConfig))
+    # Training's eval.limit keeps its periodic evals short; a standalone eval scores every example
+    # unless eval.limit= is given again.
+    record.setdefault("eval", {})["limit"] = None
+    record.setdefault("train", {})["progress"] = True  # on a terminal; train.progress=false hides it
+    ckpt = None
+    dotlist = []
+    for arg in argv:
+        if "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if key == "ckpt":
+            ckpt = value
+        elif key == "parallel":
+            dotlist.append(f"parallel.mode={value}")
+        else:
+            dotlist.append(arg)
+    try:
+        cfg = from_dict(record)
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+        world = requested_world(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"bad override: {' '.join(str(err).split()[:40])}; {USAGE}") from None
+    mode = cfg.parallel.mode
+    if mode not in PARALLEL_MODES:
+        raise ConfigError(f"parallel={mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
+    if mode == "dp" and world > 1:
+        raise ConfigError(f"parallel=dp runs in one process; use parallel=none or ddp with world={world}")
+    if world < 1 or world % cfg.launch.nnodes:
+        raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
+    return run_dir, cfg, _weights_path(run_dir, ckpt)
+
+
+def _weights_path(run_dir: Path, ckpt: str | None) -> str:
+    """ckpt= as given (a state_dict file, a step_* folder, a run dir), else the run's newest checkpoint."""
+    from trainer.checkpoint import latest_checkpoint, resolve_checkpoint
+
+    if ckpt:
+        path = Path(ckpt).expanduser().absolute()
+        return str(path if path.is_file() else resolve_checkpoint(path))
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(
+            f"{run_dir} has no complete checkpoint (checkpoints/step_*); a run saves one at its end and "
+            "every checkpoint.interval steps; or pass ckpt=PATH"
+        )
+    return str(path)
+
+
+def load_weights(model, weights: str) -> None:
+    """Full weights into a plain GPT: a checkpoint directory (any world size / mode) or a state_dict file."""
+    path = Path(weights)
+    if path.is_file():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"cannot read {path} as a state_dict ({type(err).__name__})") from None
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            state = state["model"]
+        state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as err:
+            raise CheckpointError(
+                f"{path} does not fit the run's model ({' '.join(str(err).split()[:30])} ...)"
+            ) from None
+        return
+    from trainer.checkpoint import load_model_weights
+
+    load_model_weights(model, path)
+
+
+def eval_worker(cfg_dict: dict, run_dir: str, weights: str) -> dict:
+    """One worker of `dtrain eval` (module level: torchrun's engine spawns it); rank 0's dict is the
+    result."""
+    from trainer.parallel import strategy_class
+    from trainer.runtime import init_runtime
+
+    cfg = from_dict(cfg_dict)
+    rt = init_runtime(
+        cfg.train.device,
+        strategy_class(cfg.parallel.mode).needs_process_group,
+        cfg.launch.timeout_s,
+        cfg.launch.threads_per_worker,
+    )
+    try:
+        return _evaluate(cfg, rt, Path(run_dir), rt.broadcast_object(weights))  # plain torchrun: rank 0's
+    finally:
+        rt.shutdown()
+
+
+def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
+    """Score the weights on this rank's share; rank 0 writes and prints the result.
+
+    The model lives only in this frame and is dropped before the caller tears the process group
+    down: a DDP model freed after destroy_process_group can deadlock in gloo's destructor (its
+    worker thread waits for the GIL that the freeing thread holds; seen at world 4).
+    """
+    from trainer.evals.hellaswag import HellaSwagEval
+    from trainer.model import build_model
+    from trainer.parallel import make_strategy
+
+    model = strategy = None
+    try:
+        torch.manual_seed(cfg.train.seed)
+        strategy = make_strategy(cfg.parallel, cfg.train, rt)
+        model = build_model(cfg.model)
+        load_weights(model, weights)
+        model = strategy.wrap(model)
+        t_load = time.perf_counter()
+        hellaswag = HellaSwagEval.from_config(cfg, rt)
+        load_s = time.perf_counter() - t_load
+        progress = _progress_bar(rt.is_main and cfg.train.progress, hellaswag)
+        t0 = time.perf_counter()
+        try:
+            result = hellaswag.evaluate(strategy.inference_model(model), rt, strategy.autocast,
+                                        progress=progress.advance if progress else None)
+        finally:
+            if progress:
+                progress.stop()
+        wall = time.perf_counter() - t0
+    finally:
+        model = strategy = None  # also when an exception's traceback keeps this frame alive
+    record = {
+        **result.metrics(),
+        "hellaswag_correct": result.correct,
+        "hellaswag_correct_norm": result.correct_norm,
+        "run_dir": str(run_dir),
+        "weights": str(weights),
+        "step": _checkpoint_step(weights),
+        "file": cfg.eval.hellaswag.path or cfg.eval.hellaswag.url,
+        "limit": cfg.eval.limit,
+        "model": cfg.model.name,
+        "world": rt.world,
+        "parallel": cfg.parallel.mode,
+        "batch_examples": cfg.eval.hellaswag.batch_examples,
+        "device": str(rt.device),
+        "wall_s": round(wall, 3),
+        "load_s": round(load_s, 3),
+        "examples_per_s": round(result.n / wall, 3) if wall > 0 else None,
+    }
+    if rt.is_main:
+        _write_json(run_dir / RESULT_FILE, record)
+        _print_result(record, run_dir / RESULT_FILE)
+    return record
+
+
+def _checkpoint_step(weights: str) -> int | None:
+    try:
+        from trainer.checkpoint import checkpoint_step
+    except ImportError:
+        return None
+    return checkpoint_step(Path(weights)) if Path(weights).is_dir() else None
+
+
+class _Bar:
+    def __init__(self, total: int, description: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), transient=True)
+        self.task = self.progress.add_task("hellaswag", total=total)
+        self.progress.start()
+
+    def advance(self, k: int) -> None:
+        self.progress.advance(self.task, k)
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def _progress_bar(enabled: bool, hellaswag) -> _Bar | None:
+    import sys
+
+    if not enabled or not sys.stdout.isatty():
+        return None
+    shard = "" if hellaswag.world == 1 else f" (rank 0's share of {hellaswag.n_total:,})"
+    return _Bar(hellaswag.n_local, f"[bold]hellaswag[/]{shard}")
+
+
+def _write_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _print_result(record: dict, path: Path) -> None:
+    from rich.console import Console
+
+    from trainer.metrics import summary_table
+
+    n = record["hellaswag_n"]
+    rows = {
+        "acc_norm": f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_correct_norm']:,}/{n:,})",
+        "acc": f"{record['hellaswag_acc']:.4f} ({record['hellaswag_correct']:,}/{n:,})",
+        "examples": f"{n:,} ({record['examples_per_s']:.1f}/s on {record['world']} worker(s), "
+                    f"parallel={record['parallel']})",
+        "weights": record["weights"],
+        "written to": str(path),
+    }
+    Console().print(summary_table("hellaswag", rows))

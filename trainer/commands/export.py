@@ -1,0 +1,139 @@
+"""`dtrain export RUN_DIR [--out DIR] [--step N] [--dtype D]`: a checkpoint as a Hugging Face GPT-2.
+
+Writes `model.safetensors` (Hugging Face GPT2LMHeadModel names: `transformer.h.0.attn.c_attn.weight`
+...) and `config.json` (model_type gpt2), loadable without dtrain:
+
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained("OUT_DIR")
+
+HF's Conv1D stores the c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear, so
+they are transposed here; padded vocabulary rows are dropped; the tied lm_head is not stored
+(from_pretrained ties it to transformer.wte, as save_pretrained does). Needs the optional
+`safetensors` package (`pip install 'dtrain[export]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from trainer.errors import UserError
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one clear line (UserError: the CLI prints it, exit code 2)."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise UserError(f"{self.prog}: {message}; usage: {usage}")
+
+
+def parse_step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid step {text!r} (a whole number)") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"invalid step {text!r} (0 or more)")
+    return step
+
+
+def hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Our GPT's weights under Hugging Face GPT-2's names and layouts (contiguous, unshared)."""
+    c = model.config
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to transformer.wte.weight
+        if name == "transformer.wte.weight":
+            tensor = tensor[: c.vocab_size]
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        out[name] = tensor.detach().to("cpu", dtype).contiguous().clone()
+    if not c.bias:
+        # HF GPT-2 always has biases: zeros are the same function.
+        for i in range(c.n_layer):
+            p = f"transformer.h.{i}."
+            for ln in ("ln_1", "ln_2"):
+                out[p + ln + ".bias"] = torch.zeros(c.n_embd, dtype=dtype)
+            out[p + "attn.c_attn.bias"] = torch.zeros(3 * c.n_embd, dtype=dtype)
+            out[p + "attn.c_proj.bias"] = torch.zeros(c.n_embd, dtype=dtype)
+            out[p + "mlp.c_fc.bias"] = torch.zeros(4 * c.n_embd, dtype=dtype)
+            out[p + "mlp.c_proj.bias"] = torch.zeros(c.n_embd, dtype=dtype)
+        out["transformer.ln_f.bias"] = torch.zeros(c.n_embd, dtype=dtype)
+    return out
+
+
+def hf_config(model, dtype: str = "float32") -> dict:
+    """config.json of the equivalent transformers GPT2LMHeadModel."""
+    from trainer.data.tokenizer import EOT
+
+    c = model.config
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,
+        "n_positions": c.block_size,
+        "n_ctx": c.block_size,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": None,  # 4 x n_embd
+        "activation_function": "gelu_new",  # GELU, tanh approximation
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": c.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": EOT,
+        "eos_token_id": EOT,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32") -> Path:
+    """Write out/model.safetensors and out/config.json from a run's checkpoint; returns out."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UserError(
+            "dtrain export needs the safetensors package: pip install 'dtrain[export]' "
+            "(or pip install safetensors)"
+        ) from None
+    from trainer.checkpoint import model_from_run
+
+    model, cfg = model_from_run(run_dir, step=step)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model, DTYPES[dtype])
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o666 & ~umask)
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
+    return out
+
+
+def cmd_export(argv: list[str]) -> None:
+    parser = ArgParser(prog="dtrain export", description="Export a run's checkpoint as a Hugging Face GPT-2.")
+    parser.add_argument("run_dir", help="a run directory (its newest checkpoint) or a checkpoint folder")
+    parser.add_argument("--out", help="output folder (default: RUN_DIR/export)")
+    parser.add_argument("--step", type=parse_step, help="the checkpoint at this step (default: newest)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="weights dtype (default float32)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir).expanduser()
+    out = Path(args.out).expanduser() if args.out else run_dir / "export"
+    export(run_dir, out, args.step, args.dtype)
+    print(f"exported {run_dir} -> {out / 'model.safetensors'} and {out / 'config.json'}")

@@ -1,0 +1,111 @@
+"""`dtrain plan`: estimated per-rank memory of every parallel mode, and the largest micro batch that fits.
+
+    dtrain plan model=gpt2_124m parallel=fsdp world=8 train.micro_batch_size=16 --device-memory 80GiB
+
+The estimate (trainer/memory.py) is for the config the overrides compose; the mode asked for is
+marked. Without --device-memory the budget is the visible GPU's memory, or on a CPU-only host
+the machine's RAM shared by the workers of one node.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from trainer.errors import UserError
+from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
+
+USAGE = "usage: dtrain plan [key=value overrides ...] [--device-memory SIZE, e.g. 80GiB]"
+MODES = ("none", "dp", "ddp", "zero", "fsdp")
+
+
+def _parse(argv: list[str]) -> tuple[list[str], int | None]:
+    overrides, memory = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(__doc__.strip() + "\n\n" + USAGE)
+            raise SystemExit(0)
+        if arg == "--device-memory":
+            if i + 1 >= len(argv):
+                raise UserError(f"--device-memory needs a size, e.g. --device-memory 80GiB; {USAGE}")
+            memory = parse_size(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--device-memory="):
+            memory = parse_size(arg.split("=", 1)[1])
+        elif arg.startswith("-"):
+            raise UserError(f"unknown flag {arg!r}; {USAGE}")
+        elif "=" not in arg:
+            raise UserError(f"expected a key=value override, got {arg!r}; {USAGE}")
+        else:
+            overrides.append(arg)
+        i += 1
+    return overrides, memory
+
+
+def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("no GPU is visible to read its memory from; give --device-memory, e.g. 80GiB")
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        total = 0
+    share = total // max(1, workers_per_node)
+    return share, f"host RAM / {workers_per_node} worker(s) per node"
+
+
+def cmd_plan(argv: list[str]) -> None:
+    from trainer.cli import compose
+    from trainer.config import requested_world, validate
+
+    overrides, memory = _parse(argv)
+    cfg = compose(overrides)
+    validate(cfg)
+    world = requested_world(cfg)
+    chosen = cfg.parallel.mode
+    device_type = device_type_of(cfg)
+    source = "--device-memory"
+    if memory is None:
+        memory, source = _default_memory(device_type, max(1, world // max(1, cfg.launch.nnodes)))
+    B = cfg.train.micro_batch_size
+    model = f"{cfg.model.name}: {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}"
+    table = Table(
+        title=f"per-rank memory estimate: {model}, micro batch {B} x seq {cfg.train.seq_len}, "
+              f"{device_type}, {'checkpointed ' if cfg.train.activation_checkpointing else ''}"
+              f"budget {fmt_bytes(memory)} ({source})"
+    )
+    for col in ("mode", "world", "params", "grads", "optimizer", "activations", "other", "peak", "fits",
+                "max micro batch"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode in MODES:
+        w = 1 if mode in ("none", "dp") else world
+        est = estimate(cfg, mode, w, B, device_type)
+        other = est.gathered + est.runtime + (est.temporaries if est.step_peak > est.backward_peak else 0)
+        fits = est.total <= memory
+        best = largest_micro_batch(cfg, mode, w, memory)
+        table.add_row(
+            ("[bold]" if mode == chosen else "") + mode + (" *" if mode == chosen else ""),
+            str(w),
+            fmt_bytes(est.params), fmt_bytes(est.grads), fmt_bytes(est.optim), fmt_bytes(est.activations),
+            fmt_bytes(other), fmt_bytes(est.total),
+            "[green]yes[/]" if fits else "[red]no[/]",
+            str(best) if best else "[red]none[/]",
+        )
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    console.print(
+        "[dim]peak = the larger of backward's start (params + optimizer + activations, + gradients where "
+        "they persist (DDP/ZeRO buckets), + FSDP's gathered units) and the optimizer step (params + "
+        "gradients + optimizer + AdamW temporaries); other = gathered units + temporaries + the process "
+        f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}). "
+        "none/dp run one process; zero shards optimizer state by whole parameters; "
+        "fsdp shards parameters, gradients and optimizer state. * = the mode asked for.[/]"
+    )

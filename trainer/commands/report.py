@@ -1,0 +1,250 @@
+"""`dtrain report PATH... [--out DIR]`: PNG figures and a summary table of runs or a sweep.
+
+PATH is a run directory (it holds metrics.jsonl) or a sweep directory (its numbered subfolders are
+runs). The figures put every run on the same axes, labelled by the overrides that differ between
+them (read from each run's .hydra/overrides.yaml):
+
+    loss.png          train loss and val loss against tokens seen
+    lr.png            learning rate against tokens seen
+    tokens_per_s.png  training throughput against tokens seen
+    hellaswag.png     HellaSwag acc_norm against tokens seen (only when a run evaluated it)
+
+matplotlib is an optional extra: pip install 'dtrain[plot]'.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+from trainer.metrics import METRICS_FILE, read_metrics
+from trainer.sweep import (
+    STATUS_FILE,
+    labels,
+    point_dirs,
+    read_overrides,
+    read_status,
+    results_table,
+    run_figures,
+    table_console,
+)
+
+USAGE = ("usage: dtrain report PATH... [--out DIR]   PATH: a run directory or a sweep directory "
+         "(whose subfolders are runs); --out: where the PNG files go (default: the single PATH)")
+FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
+WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
+DPI = 100
+
+
+@dataclass
+class RunData:
+    """One run's curves and summary figures."""
+
+    path: Path
+    name: str
+    overrides: list[str]
+    record: dict[str, Any]
+    train: list[dict] = field(default_factory=list)  # {"step","tokens","loss","lr",...,"tokens_per_s"}
+    val: list[dict] = field(default_factory=list)  # {"step","tokens","val_loss"}
+    hellaswag: list[dict] = field(default_factory=list)  # {"step","tokens","hellaswag_acc_norm",...}
+    label: str = ""
+
+
+def parse_args(argv: list[str]) -> tuple[list[Path], Path | None]:
+    paths: list[Path] = []
+    out = None
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if arg in ("--out", "-o"):
+            value = next(it, None)
+            if value is None:
+                raise UserError(f"--out needs a directory; {USAGE}")
+            out = Path(value)
+        elif arg.startswith("--out="):
+            out = Path(arg.split("=", 1)[1])
+        elif arg.startswith("-"):
+            raise UserError(f"unknown flag {arg!r}; {USAGE}")
+        else:
+            paths.append(Path(arg))
+    if not paths:
+        raise UserError(f"give at least one run or sweep directory; {USAGE}")
+    if out is None and len(paths) > 1:
+        raise UserError(f"{len(paths)} paths given: choose where the figures go with --out DIR")
+    return paths, out
+
+
+def find_runs(path: Path) -> list[Path]:
+    """The run directories under PATH: PATH itself, or the points of a sweep directory."""
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory; {USAGE}")
+    if (path / METRICS_FILE).exists():
+        return [path]
+    points = point_dirs(path)
+    if not points:
+        raise UserError(f"{path} holds no {METRICS_FILE} and no run subfolders; pass a run directory "
+                        "(e.g. outputs/DATE/TIME) or a sweep directory (e.g. multirun/DATE/TIME)")
+    return points
+
+
+def load_run(path: Path, name: str) -> RunData:
+    records = read_metrics(path / METRICS_FILE)
+    overrides = read_overrides(path)
+    status = read_status(path) if (path / STATUS_FILE).exists() else None
+    figures = run_figures(path)
+    finished = figures.pop("finished")
+    if status is not None:  # a sweep point: its own record (status, wall time, error)
+        record = {**figures, **{k: v for k, v in status.items() if v is not None or k not in figures}}
+        overrides = overrides or list(status.get("overrides", []))
+    else:
+        record = {"num": None, "status": "ok" if finished else "unfinished", **figures}
+    record["overrides"] = overrides
+    record["run_dir"] = str(path)
+    return RunData(
+        path=path,
+        name=name,
+        overrides=overrides,
+        record=record,
+        train=[r for r in records if "loss" in r and "tokens" in r],
+        val=[r for r in records if _finite(r.get("val_loss")) and "tokens" in r],
+        hellaswag=[r for r in records if _finite(r.get("hellaswag_acc_norm")) and "tokens" in r],
+    )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _smooth(values: list[float], points: int) -> list[float]:
+    """Exponential moving average whose span grows with the number of points (none below 50)."""
+    if points < 50:
+        return values
+    alpha = min(1.0, 20.0 / points)  # a span of ~5% of the run
+    out, avg = [], values[0]
+    for v in values:
+        avg = alpha * v + (1 - alpha) * avg
+        out.append(avg)
+    return out
+
+
+def _short(label: str, width: int = 70) -> str:
+    return label if len(label) <= width else label[: width - 3] + "..."
+
+
+class Plotter:
+    def __init__(self, runs: list[RunData], shared: list[str], out: Path):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import EngFormatter
+
+        self.plt, self.formatter = plt, EngFormatter(sep="")
+        self.runs, self.out = runs, out
+        self.colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+        self.shared = "common overrides: " + " ".join(shared) if shared else ""
+
+    def _figure(self, title: str, panels: int = 1):
+        size = WIDE_FIG_SIZE if panels > 1 else FIG_SIZE
+        fig, axes = self.plt.subplots(1, panels, figsize=size, dpi=DPI, layout="constrained", squeeze=False,
+                                      sharex=True)
+        if self.shared:  # wrapped to the figure's width (~7.5 pixels a character at font size 9)
+            title += "\n" + "\n".join(textwrap.wrap(self.shared, int(size[0] * DPI / 7.5)))
+        fig.suptitle(title, fontsize=9 if self.shared else 12)
+        for ax in axes[0]:
+            ax.set_xlabel("tokens seen")
+            ax.xaxis.set_major_formatter(self.formatter)
+            ax.grid(True, alpha=0.3)
+        return fig, list(axes[0])
+
+    def _save(self, fig, name: str, axes) -> Path:
+        handles, names = axes[0].get_legend_handles_labels()
+        if handles and (len(self.runs) > 1 or len(set(names)) > 1):
+            axes[0].legend(fontsize=8, loc="best")
+        path = self.out / name
+        fig.savefig(path, dpi=DPI)
+        self.plt.close(fig)
+        return path
+
+    def _line(self, ax, i: int, run: RunData, rows: list[dict], key: str, smooth: bool = False, **kw) -> bool:
+        rows = [r for r in rows if _finite(r.get(key))]
+        if not rows:
+            return False
+        x = [r["tokens"] for r in rows]
+        y = [r[key] for r in rows]
+        color = self.colors[i % len(self.colors)]
+        if smooth and len(y) >= 50:
+            ax.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
+            y = _smooth(y, len(y))
+        ax.plot(x, y, color=color, label=_short(run.label), **kw)
+        return True
+
+    def loss(self) -> Path:
+        fig, (ax_train, ax_val) = self._figure("train and validation loss", panels=2)
+        any_val = False
+        for i, run in enumerate(self.runs):
+            self._line(ax_train, i, run, run.train, "loss", smooth=True, linewidth=1.5)
+            any_val |= self._line(ax_val, i, run, run.val, "val_loss", marker="o", markersize=3,
+                                  linewidth=1.5)
+        ax_train.set_title("train loss")
+        ax_val.set_title("val loss")
+        for ax in (ax_train, ax_val):
+            ax.set_ylabel("cross-entropy loss (nats)")
+        if not any_val:
+            ax_val.text(0.5, 0.5, "no validation loss recorded", ha="center", va="center",
+                        transform=ax_val.transAxes, color="gray")
+        return self._save(fig, "loss.png", [ax_train, ax_val])
+
+    def simple(self, key: str, title: str, ylabel: str, name: str, rows_of, **kw) -> Path:
+        fig, (ax,) = self._figure(title)
+        for i, run in enumerate(self.runs):
+            self._line(ax, i, run, rows_of(run), key, **kw)
+        ax.set_ylabel(ylabel)
+        return self._save(fig, name, [ax])
+
+
+def cmd_report(argv: list[str]) -> None:
+    paths, out = parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("dtrain report draws its figures with matplotlib, which is not installed: "
+                        "pip install 'dtrain[plot]'") from None
+    run_dirs: list[Path] = []
+    for path in paths:
+        run_dirs += find_runs(path)
+    out = out or paths[0]
+    out.mkdir(parents=True, exist_ok=True)
+    names = [d.name if len(paths) == 1 and d != paths[0] else f"{d.parent.name}/{d.name}" for d in run_dirs]
+    runs = [load_run(d, n) for d, n in zip(run_dirs, names)]
+    run_labels, shared = labels([r.overrides for r in runs], names)
+    for run, label in zip(runs, run_labels):
+        run.label = label
+
+    console = table_console()
+    title = f"report: {', '.join(str(p) for p in paths)}"
+    console.print(results_table([r.record for r in runs], title))
+    for r in runs:
+        if r.record.get("status") not in ("ok", None) and r.record.get("error"):
+            console.print(f"[red]{r.name} {r.record['status']}:[/] {r.record['error']}", highlight=False)
+
+    plotted = [r for r in runs if r.train or r.val]
+    if not plotted:
+        raise UserError(f"no run under {', '.join(map(str, paths))} has logged a step yet; nothing to plot")
+    plot = Plotter(plotted, shared, out)
+    files = [
+        plot.loss(),
+        plot.simple("lr", "learning rate", "learning rate", "lr.png", lambda r: r.train, linewidth=1.5),
+        plot.simple("tokens_per_s", "training throughput", "tokens / s", "tokens_per_s.png",
+                    lambda r: r.train, marker=".", linewidth=1),
+    ]
+    if any(r.hellaswag for r in plotted):
+        files.append(plot.simple("hellaswag_acc_norm", "HellaSwag accuracy (acc_norm)", "acc_norm",
+                                 "hellaswag.png", lambda r: r.hellaswag, marker="o", markersize=3))
+    console.print("figures: " + "  ".join(str(f) for f in files), highlight=False, soft_wrap=True)

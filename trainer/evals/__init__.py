@@ -1,0 +1,1 @@
+"""Evaluations run during training and by `dtrain eval` (hellaswag.py: multiple choice, sharded by rank)."""

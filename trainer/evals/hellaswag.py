@@ -1,0 +1,369 @@
+"""HellaSwag: 4-way multiple choice, scored by the model's loss on each ending, sharded by rank.
+
+The file is HellaSwag's public jsonl: one object per line with ``ctx`` (the context), ``endings``
+(4 candidate continuations) and ``label`` (the index of the right one). Scoring follows the
+reference (build-nanogpt's hellaswag.py): each ending is tokenized with a leading space and
+appended to the context; the model's per-token cross entropy over the ending tokens only gives
+``acc`` (the ending with the lowest summed loss) and ``acc_norm`` (the lowest mean loss per
+token, the number the reference reports).
+
+Distribution: example i is scored by rank i % world; every rank runs the same number of forwards
+(dummy ones when its share has run out, so FSDP's collectives never hang), and the correct/total
+counts are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+
+from trainer.errors import ConfigError, DataError
+
+N_ENDINGS = 4
+FIELDS = ("ctx", "endings", "label")
+DEFAULT_FILE_NAME = "hellaswag_val.jsonl"
+METRIC_KEYS = ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")
+
+
+@dataclass(frozen=True)
+class Example:
+    ctx: str
+    endings: tuple[str, ...]
+    label: int
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    ctx: list[int]
+    endings: list[list[int]]  # each ending's tokens, encoded with its leading space
+    label: int
+
+
+# --------------------------------------------------------------------------------- the file
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _one_line(x) -> str:
+    return " ".join(str(x).split())
+
+
+def _parse_row(row, where: str) -> Example:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object with {', '.join(FIELDS)}, got {type(row).__name__}")
+    missing = [k for k in FIELDS if k not in row]
+    if missing:
+        raise DataError(
+            f"{where}: missing field {', '.join(repr(k) for k in missing)} (a HellaSwag line needs "
+            f"{', '.join(FIELDS)}); fix the file or point eval.hellaswag.path at another"
+        )
+    ctx, endings, label = row["ctx"], row["endings"], row["label"]
+    if not isinstance(ctx, str):
+        raise DataError(f"{where}: field 'ctx' must be a string, got {type(ctx).__name__}")
+    if not (isinstance(endings, list) and len(endings) == N_ENDINGS
+            and all(isinstance(e, str) for e in endings)):
+        raise DataError(f"{where}: field 'endings' must be a list of {N_ENDINGS} strings")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)  # some HellaSwag exports store the label as a string
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
+        raise DataError(f"{where}: field 'label' must be an integer in 0..{N_ENDINGS - 1}, got {label!r}")
+    return Example(ctx, tuple(endings), label)
+
+
+def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
+    """The examples of a HellaSwag jsonl file, in file order (the first ``limit`` when given).
+
+    A line that is not valid JSON or lacks a field raises DataError naming the file and line.
+    """
+    path = Path(path)
+    examples: list[Example] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(examples) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                where = f"{path} line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix the file or point "
+                        "eval.hellaswag.path at another"
+                    ) from None
+                examples.append(_parse_row(row, where))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({_one_line(e.strerror or e)}); fix eval.hellaswag.path") \
+            from None
+    if not examples:
+        raise DataError(f"{path} holds no HellaSwag examples; point eval.hellaswag.path at a jsonl file")
+    return examples
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cache_path(hs_cfg, data_dir: str) -> Path:
+    """Where the download is cached: <data.dir>/hellaswag/<file name of the URL>."""
+    name = Path(urlparse(hs_cfg.url).path).name or DEFAULT_FILE_NAME
+    return Path(os.path.expanduser(str(data_dir))) / "hellaswag" / name
+
+
+def hellaswag_file(hs_cfg, data_dir: str) -> Path:
+    """The local HellaSwag file: eval.hellaswag.path, or the URL's download cached under data_dir.
+
+    With eval.hellaswag.sha256 set, the file must match it. Without, the first download's sha256 is
+    recorded beside the cached copy (``<file>.sha256``) and later runs check the copy against it
+    (a corrupt or stale copy is fetched again).
+    """
+    expected = hs_cfg.sha256
+    if hs_cfg.path:
+        path = Path(os.path.expanduser(str(hs_cfg.path))).absolute()
+        if not path.is_file():
+            raise DataError(
+                f"eval.hellaswag.path={hs_cfg.path} is not a file; point it at a HellaSwag jsonl file or "
+                f"drop it to download {hs_cfg.url}"
+            )
+        if expected:
+            digest = _sha256_file(path)
+            if digest != expected:
+                raise DataError(
+                    f"{path} has sha256 {digest}, expected eval.hellaswag.sha256={expected}; fix the "
+                    "file or eval.hellaswag.sha256"
+                )
+        return path
+    return fetch(hs_cfg.url, cache_path(hs_cfg, data_dir), expected)
+
+
+def fetch(url: str, dest: Path, sha256: str | None = None) -> Path:
+    """Download url to dest unless a verified copy is there; record its sha256 in dest.sha256."""
+    from trainer.data.sources import download
+
+    record = dest.with_name(dest.name + ".sha256")
+    if dest.exists():
+        recorded = record.read_text().split()[0] if record.exists() else None
+        want = sha256 or recorded
+        digest = _sha256_file(dest)
+        if want is None or digest == want:
+            if recorded != digest:
+                _write_atomic(record, f"{digest}  {dest.name}\n")
+            return dest
+        dest.unlink(missing_ok=True)  # a stale or corrupt copy: fetch it again
+    try:
+        download(url, dest, None)
+    except DataError as e:
+        cause = e.__cause__
+        reason = _one_line(getattr(cause, "reason", cause) if cause is not None else e)
+        raise DataError(
+            f"cannot download HellaSwag from {url} ({reason}); check network access, or download it "
+            "yourself and set eval.hellaswag.path=<local jsonl file>"
+        ) from None
+    digest = _sha256_file(dest)
+    if sha256 and digest != sha256:
+        dest.unlink(missing_ok=True)
+        raise DataError(
+            f"{url} downloaded with sha256 {digest}, expected eval.hellaswag.sha256={sha256}; fix "
+            "eval.hellaswag.sha256 (or set it to null) or set eval.hellaswag.path=<local file>"
+        )
+    _write_atomic(record, f"{digest}  {dest.name}\n")
+    if not sha256:
+        from rich.console import Console
+
+        Console(stderr=True).print(
+            f"downloaded {url} to {dest} (sha256 {digest}, recorded in {record.name}; set "
+            "eval.hellaswag.sha256 to pin it)", highlight=False, soft_wrap=True)
+    return dest
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+
+def encode_example(ex: Example, enc) -> EncodedExample:
+    """Context and endings as GPT-2 tokens; each ending gets a leading space, as the reference does.
+
+    An empty context becomes <|endoftext|>, so that every ending token has something before it to
+    be predicted from.
+    """
+    ctx = enc.encode_ordinary(ex.ctx) or [enc.eot_token]
+    return EncodedExample(ctx, [enc.encode_ordinary(" " + e) for e in ex.endings], ex.label)
+
+
+def build_batch(batch: list[EncodedExample], block_size: int, device=None):
+    """Tokens (R, L) and the target mask (R, L-1) for R = 4 x len(batch) rows.
+
+    Row r is context + ending r % 4, truncated from the left to block_size and right-padded to the
+    longest row. mask[r, j] is True where target tokens[r, j + 1] is an ending token.
+    """
+    rows = [ex.ctx + end for ex in batch for end in ex.endings]
+    lens = torch.tensor([min(len(r), block_size) for r in rows])
+    n_end = torch.tensor([len(end) for ex in batch for end in ex.endings])
+    n_end = torch.minimum(n_end, lens - 1)  # position 0 is never a target
+    flat = torch.tensor([t for r in rows for t in r[-block_size:]], dtype=torch.long)
+    n_rows, width = len(rows), int(lens.max())
+    row_of = torch.repeat_interleave(torch.arange(n_rows), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    col_of = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lens)
+    tokens = torch.zeros((n_rows, width), dtype=torch.long)
+    tokens[row_of, col_of] = flat
+    j = torch.arange(width - 1)
+    mask = (j >= (lens - n_end - 1)[:, None]) & (j < (lens - 1)[:, None])
+    return tokens.to(device), mask.to(device)
+
+
+@contextlib.contextmanager
+def _head_only_at(model, rows: torch.Tensor, cols: torch.Tensor):
+    """Make the model's output projection (lm_head) run on the hidden states at (rows, cols) only.
+
+    The vocabulary projection is most of a small model's forward and a fifth of GPT-2 124M's;
+    only the positions that predict an ending token need it. A forward pre-hook on lm_head keeps
+    the model's own forward (and FSDP's hooks around it) unchanged; the forward then returns
+    logits of shape (len(rows), vocab) instead of (R, L, vocab).
+    """
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        yield False
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0][rows, cols], *args[1:]))
+    try:
+        yield True
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def score_batch(model, batch: list[EncodedExample], block_size: int, device=None):
+    """(sum_loss, mean_loss), each (len(batch), 4): the cross entropy summed / averaged over
+    each ending's tokens."""
+    tokens, mask = build_batch(batch, block_size, device)
+    targets = tokens[:, 1:][mask]
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major, the order of targets
+    with _head_only_at(model, rows, cols) as selected:
+        logits, _ = model(tokens)
+    if not selected:
+        logits = logits[:, :-1][mask]
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    losses = torch.zeros(mask.shape, dtype=torch.float64, device=tokens.device)
+    losses[mask] = ce.double()
+    sums = losses.sum(dim=1)
+    means = sums / mask.sum(dim=1)
+    return sums.view(-1, N_ENDINGS), means.view(-1, N_ENDINGS)
+
+
+@dataclass
+class HellaSwagResult:
+    correct: int  # lowest summed loss is the label
+    correct_norm: int  # lowest mean loss is the label
+    n: int
+
+    @property
+    def acc(self) -> float:
+        return self.correct / self.n if self.n else math.nan
+
+    @property
+    def acc_norm(self) -> float:
+        return self.correct_norm / self.n if self.n else math.nan
+
+    def metrics(self) -> dict:
+        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_n": self.n}
+
+
+class HellaSwagEval:
+    """This rank's share of the examples (i % world == rank), tokenized once; evaluate() scores it."""
+
+    def __init__(self, examples: list[Example], rank: int, world: int, batch_examples: int, block_size: int,
+                 enc=None):
+        if batch_examples < 1:
+            raise ConfigError(f"eval.hellaswag.batch_examples={batch_examples} must be at least 1")
+        if enc is None:
+            from trainer.data.tokenizer import gpt2_encoding
+
+            enc = gpt2_encoding()
+        self.n_total = len(examples)
+        self.rank, self.world = rank, world
+        self.batch_examples = batch_examples
+        self.block_size = block_size
+        self.encoded = [encode_example(ex, enc) for ex in examples[rank::world]]
+        # Every rank runs this many forwards: the largest share's batches.
+        self.n_batches = math.ceil(math.ceil(self.n_total / world) / batch_examples)
+
+    @classmethod
+    def from_config(cls, cfg, rt) -> HellaSwagEval:
+        """Rank 0 finds (downloads) and reads the file and shares the examples with every rank."""
+        limit = cfg.eval.limit
+        if limit is not None and limit < 1:
+            raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")
+        examples, problem = None, None
+        if rt.is_main:
+            try:
+                examples = read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit)
+            except DataError as err:
+                problem = str(err)
+        examples, problem = rt.broadcast_object((examples, problem))
+        if problem:
+            raise DataError(problem)
+        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size)
+
+    @property
+    def n_local(self) -> int:
+        return len(self.encoded)
+
+    @torch.no_grad()
+    def evaluate(self, model, rt, autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 progress: Callable[[int], None] | None = None) -> HellaSwagResult:
+        """Score this rank's share with `model` (every rank must call this), sum the counts over
+        ranks and return them. `progress(k)` is called after each batch with its example count."""
+        autocast = autocast or contextlib.nullcontext
+        device = rt.device
+        was_training = model.training
+        model.eval()
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        correct_norm = torch.zeros((), dtype=torch.long, device=device)
+        B = self.batch_examples
+        try:
+            for b in range(self.n_batches):
+                batch = self.encoded[b * B : (b + 1) * B]
+                with autocast():
+                    if not batch:
+                        # This rank's share ran out: a one-token forward keeps it in step with the
+                        # others (with FSDP every forward is a collective).
+                        model(torch.zeros((1, 1), dtype=torch.long, device=device))
+                        continue
+                    sums, means = score_batch(model, batch, self.block_size, device)
+                labels = torch.tensor([ex.label for ex in batch], device=device)
+                correct += (sums.argmin(dim=1) == labels).sum()
+                correct_norm += (means.argmin(dim=1) == labels).sum()
+                if progress is not None:
+                    progress(len(batch))
+        finally:
+            model.train(was_training)
+        local = torch.stack([correct, correct_norm, torch.tensor(self.n_local, device=device)])
+        total = rt.all_reduce_sum(local).tolist()
+        return HellaSwagResult(int(total[0]), int(total[1]), int(total[2]))

@@ -1,0 +1,251 @@
+"""Per-rank memory estimates for each parallel mode (`dtrain plan`), and device peak FLOP/s (MFU).
+
+What one rank holds, in bytes:
+
+* parameters, gradients and AdamW state (exp_avg + exp_avg_sq + a step counter per tensor),
+  full or sharded as the mode keeps them: ZeRO partitions the optimizer state by whole
+  parameters (greedy, largest first, as torch's ZeroRedundancyOptimizer does, so one giant
+  embedding can dominate a rank); FSDP shards every tensor along dim 0 (padded to world).
+* activations of one micro batch: what forward keeps for backward per transformer block, plus
+  the language-model head (logits, their log-softmax and the gradients of both), which for
+  GPT-2's 50k vocabulary is often the largest single piece.
+* transients at the peak: FSDP's gathered (unsharded) parameters and gradients of the units in
+  flight, DDP's gradient buckets, the optimizer step's temporaries.
+
+The activation coefficients were fitted to measured peaks (scripts/bench.py, CPU fp32 and
+torch 2.13: resident-set growth of a worker); tests/test_plan.py keeps the estimate within 15%
+of a measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from trainer.errors import UserError
+
+# Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
+# Most specific names first.
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+    ("L40S", 362e12),
+    ("V100", 125e12),  # fp16 tensor cores (no bf16)
+)
+
+
+def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: `override` (train.peak_flops) when given, else the table for
+    known GPUs, else None (then no MFU is reported)."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+# ------------------------------------------------------------------------------------ sizes
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80 GB', '81920MiB', '8e9' -> bytes. UserError when unparsable."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise UserError(
+            f"cannot read memory size {text!r}; write a number with a unit, e.g. 80GiB, 40GB or 24000MiB"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value > 0:
+        raise UserError(f"memory size {text!r} must be positive")
+    return int(value)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+# -------------------------------------------------------------------------------- estimation
+
+# Fitted on CPU (fp32, torch 2.13) against the resident-set peak of real runs, see the module doc.
+BLOCK_ACT_PER_C = 20.0  # bytes kept for backward per token and block, in units of n_embd x dtype size
+HEAD_ACT_PER_V = 3.0  # fp32 log-softmax, its gradient and the logits' gradient, per token x vocab
+CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker touches, allocator slack
+CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not measured here)
+
+
+@dataclass
+class Estimate:
+    """Per-rank bytes. `peak` is the larger of two moments of a step:
+    backward's start (activations live, gradients only where they persist: DDP/ZeRO buckets) and
+    the optimizer step (all gradients, AdamW's temporaries, no activations)."""
+
+    mode: str
+    world: int
+    micro_batch: int
+    params: int  # held between steps (the local shard under FSDP)
+    grads: int  # at their largest (right after backward)
+    optim: int  # AdamW state held by this rank
+    activations: int  # kept for backward at its start, the language-model head included
+    gathered: int  # FSDP: unsharded units in flight (the root, with the tied embedding, and blocks)
+    temporaries: int  # optimizer step: AdamW's per-tensor temporaries for the largest tensor
+    runtime: int  # the process itself (not tensors)
+    grads_persist: bool  # gradients stay allocated across steps (DDP's bucket views)
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optim
+
+    @property
+    def backward_peak(self) -> int:
+        grads = self.grads if self.grads_persist else 0
+        return self.params + self.optim + grads + self.activations + self.gathered + self.runtime
+
+    @property
+    def step_peak(self) -> int:
+        return self.params + self.optim + self.grads + self.temporaries + self.runtime
+
+    @property
+    def total(self) -> int:
+        return max(self.backward_peak, self.step_peak)
+
+    def as_dict(self) -> dict:
+        keys = ("mode", "world", "micro_batch", "params", "grads", "optim", "activations", "gathered",
+                "temporaries", "runtime")
+        return {**{k: getattr(self, k) for k in keys}, "backward_peak": self.backward_peak,
+                "step_peak": self.step_peak, "total": self.total}
+
+
+def _meta_model(model_cfg):
+    from trainer.model import build_model
+
+    with torch.device("meta"):
+        return build_model(model_cfg)
+
+
+def _zero_partition(groups: list[list[int]], world: int) -> list[int]:
+    """Elements of optimizer state per rank under ZeroRedundancyOptimizer's partition: per param
+    group, largest parameter first, each to the rank holding the fewest elements so far."""
+    sizes = [0] * world
+    for numels in groups:
+        for n in sorted(numels, reverse=True):
+            sizes[sizes.index(min(sizes))] += n
+    return sizes
+
+
+def _shard_numel(shape: torch.Size, world: int) -> int:
+    """FSDP2 shards dim 0 in chunks of ceil(dim0 / world) rows: the largest local shard."""
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def device_type_of(cfg) -> str:
+    spec = cfg.train.device
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(spec).type
+
+
+def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | None = None) -> Estimate:
+    """Per-rank memory of a training step of `cfg`'s model in `mode` at `world` ranks (worst rank)."""
+    from trainer.config import PARALLEL_MODES
+    from trainer.optim import param_groups
+
+    if mode not in PARALLEL_MODES:
+        raise UserError(f"unknown parallel mode {mode!r}; choose from {', '.join(PARALLEL_MODES)}")
+    if world < 1:
+        raise UserError(f"world={world} must be at least 1")
+    if micro_batch < 1:
+        raise UserError(f"train.micro_batch_size={micro_batch} must be at least 1")
+    m, t = cfg.model, cfg.train
+    device_type = device_type or device_type_of(cfg)
+    model = _meta_model(m)
+    params = list(model.parameters())  # the tied embedding once
+    n_total = sum(p.numel() for p in params)
+    fp32 = 4  # parameters, gradients and AdamW state stay fp32 (autocast computes in bf16)
+    step_bytes = 4 * len(params)  # AdamW's step counter per tensor
+    if t.dtype == "auto":
+        act = 2 if device_type == "cuda" else 4
+    else:
+        act = {"float32": 4, "bfloat16": 2, "float16": 2}[t.dtype]
+    if mode == "fsdp" and (cfg.parallel.mixed_precision == "bf16" or
+                           (cfg.parallel.mixed_precision == "auto" and device_type == "cuda")):
+        act = 2
+
+    # --- activations of one micro batch ------------------------------------------------------
+    C, L, V = m.n_embd, m.n_layer, model.config.padded_vocab_size
+    tokens = micro_batch * t.seq_len
+    block = BLOCK_ACT_PER_C * C * act * tokens
+    if t.activation_checkpointing:
+        # each block keeps only its input; backward recomputes one block at a time
+        blocks = L * C * act * tokens + block
+    else:
+        blocks = L * block
+    head = HEAD_ACT_PER_V * V * 4 * tokens  # the loss is computed in fp32
+    activations = int(blocks + head)
+
+    # --- model state per rank -------------------------------------------------------------------
+    gathered = 0
+    if mode == "fsdp":
+        shard = sum(_shard_numel(p.shape, world) for p in params)
+        p_b = g_b = shard * fp32
+        o_b = 2 * shard * fp32 + step_bytes
+        largest = max(_shard_numel(p.shape, world) for p in params)
+        if world > 1:
+            # The root unit (the tied embedding, positions, final LayerNorm) is gathered at
+            # backward's start: all-gather buffer + unsharded parameters, then its unsharded
+            # gradient + reduce-scatter input (4 copies, measured); blocks one at a time + prefetch.
+            per_block = sum(p.numel() for p in model.transformer.h[0].parameters()) if L else 0
+            root = n_total - per_block * L
+            gathered = (4 * root + 2 * per_block) * (2 if act == 2 else 4)
+        grads_persist = False
+    else:
+        p_b = g_b = n_total * fp32
+        o_b = 2 * n_total * fp32 + step_bytes
+        largest = max(p.numel() for p in params)
+        if mode == "zero" and world > 1:
+            groups = [[p.numel() for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
+            o_b = 2 * max(_zero_partition(groups, world)) * fp32 + step_bytes
+        grads_persist = mode in ("ddp", "zero")  # gradient_as_bucket_view: grads live in the buckets
+    temporaries = 2 * largest * fp32  # AdamW's sqrt(v) and its scaled copy, one tensor at a time
+    runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
+    return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
+                    grads_persist)
+
+
+def largest_micro_batch(cfg, mode: str, world: int, device_memory: int, limit: int = 1 << 16) -> int:
+    """The largest micro batch whose estimated peak fits `device_memory` bytes (0: none fits)."""
+    if estimate(cfg, mode, world, 1).total > device_memory:
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and estimate(cfg, mode, world, hi).total <= device_memory:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # estimate() grows with the batch: bisect between a fit and a miss
+        mid = (lo + hi) // 2
+        if estimate(cfg, mode, world, mid).total <= device_memory:
+            lo = mid
+        else:
+            hi = mid
+    return lo
