@@ -6,7 +6,6 @@ import shutil
 import time
 
 import pytest
-
 from conftest import run_dtrain, tiny_args
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from dist_workers import train_and_inspect
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dist_workers import train_and_inspect
 from trainer.cli import compose
 from trainer.config import to_dict
 

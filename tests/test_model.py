@@ -1,10 +1,10 @@
 import math
 
 import torch
+from omegaconf import OmegaConf
 
 from trainer.model import GPT, GPTConfig
 from trainer.optim import lr_at, param_groups
-from omegaconf import OmegaConf
 
 
 def test_gpt2_124m_parameter_count_and_hf_names():

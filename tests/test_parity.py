@@ -8,7 +8,6 @@ launched through torchrun's engine by `dtrain train`.
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_dtrain, tiny_args, train_losses
 
 STEPS = 20
