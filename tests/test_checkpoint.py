@@ -30,9 +30,12 @@ from trainer.checkpoint import (
 )
 from trainer.errors import CheckpointError
 
-STEPS = 12
-# Accumulation on, a checkpoint every 4 steps; the global batch is 4 x 64 x world x accum tokens.
-CKPT_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=4", "train.grad_accum_steps=2")
+STEPS, INTERVAL = 8, 3
+# Accumulation on, a checkpoint every 3 steps and at the end; the global batch is
+# 4 x 64 x world x accum tokens.
+CKPT_ARGS = (f"train.max_steps={STEPS}", f"checkpoint.interval={INTERVAL}", "train.grad_accum_steps=2")
+CKPT_NAMES = ["step_000003", "step_000006", "step_000008"]  # keep=3, the default
+NEXT = "step_000009"  # what a resumed run with train.max_steps=9 saves (at its end)
 MODES = {  # mode -> overrides; every distributed mode at world 2
     "none": (),
     "ddp": ("parallel=ddp", "world=2"),
@@ -147,8 +150,8 @@ def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_pa
         ckpts = run_dir / "checkpoints"
         (ckpts / ".tmp_step_000099").mkdir()
         (ckpts / ".tmp_step_000099" / "__0_0.distcp").write_bytes(b"partial")
-        shutil.copytree(latest_checkpoint(run_dir), ckpts / "step_000010")
-        (ckpts / "step_000010" / MARKER).unlink()
+        shutil.copytree(latest_checkpoint(run_dir), ckpts / "step_000007")
+        (ckpts / "step_000007" / MARKER).unlink()
         assert checkpoint_step(latest_checkpoint(run_dir)) == resumed_from
 
     proc = run_dtrain(args)  # the same command: resume=auto
@@ -160,7 +163,7 @@ def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_pa
     assert records == loss_records(reference)
     assert same_weights(run_dir, reference)
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == ["step_000004", "step_000008", "step_000012"], names  # partial saves cleaned up
+    assert names == CKPT_NAMES, names  # partial saves cleaned up
 
 
 # --- resharding: written at world 2, resumed at world 1 and 4 -------------------------------------------
@@ -174,10 +177,10 @@ def test_resume_at_another_world_size(source, target, data_dir, references, tmp_
     run_dir = tmp_path / "resharded"
     total = 4 * 64 * 2 * 2  # the reference's global batch: accumulation adapts to the new world
     args = tiny_args(data_dir, run_dir, f"train.max_steps={STEPS}", f"train.total_batch_size={total}",
-                     f"resume={reference / 'checkpoints' / 'step_000004'}", *target)
+                     f"resume={reference / 'checkpoints' / CKPT_NAMES[0]}", *target)
     run_dtrain(args, check=True)
     want, got = train_losses(reference), train_losses(run_dir)
-    assert sorted(got) == list(range(5, STEPS + 1))
+    assert sorted(got) == list(range(INTERVAL + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
 
 
@@ -220,7 +223,7 @@ def test_bad_checkpoint_is_one_clear_error(kind, mode, data_dir, references, tmp
     expected = _damage(kind, ckpt)
     before = {p.name: p.stat().st_size for p in ckpt.iterdir()}
     extra = ("model.n_layer=3",) if kind == "another model" else ()
-    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14", *MODES[mode], *extra))
+    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", *MODES[mode], *extra))
     line = one_line_error(proc)
     assert expected in line and str(ckpt) in line, line
     assert {p.name: p.stat().st_size for p in ckpt.iterdir()} == before  # left as it was
@@ -304,9 +307,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, referenc
         pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN) to fill a disk")
     try:
         ckpt = copy_run(reference, run_dir)
-        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14"))
+        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9"))
         line = one_line_error(proc)
-        assert "could not save checkpoint step_000014" in line and "no space left on the device" in line, line
+        assert f"could not save checkpoint {NEXT}" in line and "no space left on the device" in line, line
         assert f"the previous checkpoint {ckpt} is intact" in line, line
         _assert_intact(run_dir, ckpt, reference)
     finally:
@@ -324,7 +327,7 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
     reference = references("none")
     run_dir = tmp_path / "run"
     ckpt = copy_run(reference, run_dir)
-    overrides = tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=14", "train.device=cpu")[1:]
+    overrides = tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", "train.device=cpu")[1:]
     cfg = compose([o for o in overrides if not o.startswith("hydra.")])
     rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
     run = Run(cfg, rt, run_dir)
@@ -334,13 +337,13 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
     if not _make_immutable(run_dir / "checkpoints", True):
         pytest.skip("chattr +i is not available on this file system")
     try:
-        run.state.step += 2
+        run.state.step += 1
         with pytest.raises(CheckpointError) as info:
             checkpointer.save(run)
     finally:
         _make_immutable(run_dir / "checkpoints", False)
     message = str(info.value)
-    assert "could not save checkpoint step_000014" in message, message
+    assert f"could not save checkpoint {NEXT}" in message, message
     assert "Operation not permitted" in message, message
     assert f"the previous checkpoint {ckpt} is intact" in message and "\n" not in message
     _assert_intact(run_dir, ckpt, reference)
@@ -350,7 +353,7 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
 def test_checkpoint_layout_and_retention(references):
     reference = references("none")
     found = list_checkpoints(reference / "checkpoints")
-    assert [p.name for p in found] == ["step_000004", "step_000008", "step_000012"]  # keep=3 (the default)
+    assert [p.name for p in found] == CKPT_NAMES
     ckpt = found[-1]
     assert is_complete(ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text())

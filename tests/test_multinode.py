@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from conftest import REPO, dtrain_env, tiny_args
-from test_checkpoint import CKPT_ARGS, MODES, loss_records, references  # noqa: F401
+from test_checkpoint import CKPT_ARGS, CKPT_NAMES, MODES, loss_records, references  # noqa: F401
 
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
 PORT = 29500  # a fresh namespace has nothing listening
@@ -85,7 +85,7 @@ def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):  #
     other = tmp_path / ("node1" if head.name == "node0" else "node0")
     assert not (other / "checkpoints").exists()
     names = sorted(p.name for p in (head / "checkpoints").iterdir())
-    assert names == ["step_000004", "step_000008", "step_000012"]
+    assert names == CKPT_NAMES
     got, want = loss_records(head), loss_records(reference)
     assert [r[0] for r in got] == [r[0] for r in want]
     assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) <= 1e-6, (got, want)

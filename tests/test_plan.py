@@ -80,7 +80,7 @@ def test_state_bytes_per_mode(data_dir):
 
 def test_zero_partition_is_greedy_largest_first():
     # torch's ZeroRedundancyOptimizer: per group, largest first, to the rank holding least so far
-    assert _zero_partition([[10, 3, 7], [5]], 2) == [10, 15]
+    assert _zero_partition([[10, 3, 7], [5]], 2) == [15, 10]  # 10 | 7+3, then 5 to rank 0 (tie)
     assert _zero_partition([[4, 4, 4, 4]], 4) == [4, 4, 4, 4]
 
 

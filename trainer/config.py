@@ -281,6 +281,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("resume= must be auto, never or a checkpoint path")
     if t.peak_flops is not None and not t.peak_flops > 0:
         raise ConfigError(f"train.peak_flops={t.peak_flops} must be a positive FLOP/s figure (or null)")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.interval < 0:
+        raise ConfigError(
+            f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 and checkpoint.interval="
+            f"{cfg.checkpoint.interval} >= 0 (0 = only at the end)"
+        )
     if cfg.logger not in ("jsonl", "tensorboard"):
         raise ConfigError(f"logger={cfg.logger!r} is unknown; choose jsonl or tensorboard")
     batch_plan(cfg, requested_world(cfg))
