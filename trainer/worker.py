@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,5 +46,11 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
 
         result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
         return asdict(result)
+    except BaseException as err:
+        # The traceback's frames keep the wrapped model alive; freeing a DDP model after its
+        # gloo group is destroyed can deadlock at exit, so let go of it before the teardown.
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
+        gc.collect()
         rt.shutdown()
