@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worlds", default="1,2", help="comma list of world sizes")
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per phase")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each configuration this many times (fresh workers each) and show the "
+                        "median by tokens/s, with the range")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vs-bare", action="store_true", help="dtrain's step against a bare PyTorch loop")
@@ -147,9 +150,16 @@ def run_table(args) -> list[dict]:
     for mode, world in points(args):
         cfg = compose_point(args, mode, world)
         prepare_data(cfg)
-        console.print(f"[dim]measuring {cfg.model.name} parallel={mode} world={world} ...[/]")
-        ranks = launch(cfg, world, bench_worker, (args.steps, args.warmup))
-        rows.append(summarize(cfg, mode, world, ranks))
+        runs = []
+        for i in range(max(1, args.repeat)):
+            console.print(f"[dim]measuring {cfg.model.name} parallel={mode} world={world} "
+                          f"({i + 1}/{max(1, args.repeat)}) ...[/]")
+            runs.append(summarize(cfg, mode, world, launch(cfg, world, bench_worker, (args.steps, args.warmup))))
+        runs.sort(key=lambda r: r["tokens_per_s"])
+        row = dict(runs[len(runs) // 2])
+        row["tokens_per_s_range"] = [runs[0]["tokens_per_s"], runs[-1]["tokens_per_s"]]
+        row["repeats"] = [{k: v for k, v in r.items() if k != "ranks"} for r in runs]
+        rows.append(row)
     render_table(args, rows)
     render_goals(rows)
     return rows
@@ -179,18 +189,24 @@ def summarize(cfg, mode: str, world: int, ranks: list[dict]) -> dict:
     }
 
 
+def tokens_cell(r: dict) -> str:
+    lo, hi = r.get("tokens_per_s_range", (r["tokens_per_s"],) * 2)
+    return f"{r['tokens_per_s']:,.0f}" + (f" ({lo:,.0f}-{hi:,.0f})" if hi > lo else "")
+
+
 def render_table(args, rows: list[dict]) -> None:
     if not rows:
         return
     r = rows[0]
     table = Table(title=f"dtrain bench: {r['model']} ({r['n_params'] / 1e6:.2f}M params), micro batch "
-                  f"{r['micro_batch']} x seq {r['seq_len']} per rank, {args.steps} steps")
+                  f"{r['micro_batch']} x seq {r['seq_len']} per rank, {args.steps} steps"
+                  + (f", median of {args.repeat} runs (range)" if args.repeat > 1 else ""))
     for col in ("mode", "world", "thr/rank", "tok/s", "step ms", "compute", "comm exp.", "optim", "data wait",
                 "peak MiB/rank", "plan est.", "params MiB", "grads MiB", "optim MiB"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
-            r["mode"], str(r["world"]), str(r["threads"] or "-"), f"{r['tokens_per_s']:,.0f}",
+            r["mode"], str(r["world"]), str(r["threads"] or "-"), tokens_cell(r),
             ms(r["step_s"]), ms(r["compute_s"]), ms(r["comm_s"]), ms(r["optim_s"]),
             f"{ms(r['data_s'])} ({r['data_s'] / r['step_s']:.2%})",
             mib(r["peak_bytes"]) + ("" if r["peak_exact"] else "*"),
@@ -321,16 +337,27 @@ def run_tokenize(args) -> dict:
     return r
 
 
+def machine_state() -> dict:
+    """1-minute load average and CPU time (s) stolen by the hypervisor so far: how quiet it was."""
+    state = {"load_1min": None, "steal_s": None}
+    try:
+        with open("/proc/loadavg") as f:
+            state["load_1min"] = float(f.read().split()[0])
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        state["steal_s"] = int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else None
+    except (OSError, ValueError):
+        pass
+    return state
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    try:
-        with open("/proc/loadavg") as f:
-            load = f.read().split()[0]
-    except OSError:
-        load = "?"
-    console.print(f"[dim]load average (1 min) at start: {load}; {os.cpu_count()} cores[/]")
-    out: dict = {"argv": sys.argv[1:], "load_at_start": load, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    start, t0 = machine_state(), time.perf_counter()
+    console.print(f"[dim]load average (1 min) at start: {start['load_1min']}; {os.cpu_count()} cores[/]")
+    out: dict = {"argv": sys.argv[1:], "load_at_start": start["load_1min"],
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     try:
         if args.tokenize:
             out["tokenize"] = run_tokenize(args)
@@ -341,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         console.print(f"[bold red]error:[/] {err}")
         return 2
+    end, wall = machine_state(), time.perf_counter() - t0
+    out["load_at_end"] = end["load_1min"]
+    if start["steal_s"] is not None and end["steal_s"] is not None:
+        out["steal_fraction"] = (end["steal_s"] - start["steal_s"]) / (wall * (os.cpu_count() or 1))
+    console.print(f"[dim]{wall:.0f} s; load average (1 min) at end: {end['load_1min']}"
+                  + (f"; CPU time stolen by the hypervisor: {out['steal_fraction']:.1%}" if "steal_fraction" in out
+                     else "") + "[/]")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
     return 0

@@ -7,9 +7,10 @@
 * a phase split of the same step in separate, instrumented steps (a barrier before each step,
   timers around the loader, forward+backward and the optimizer): data wait, forward+backward with
   gradient sync, optimizer (clip + step; ZeRO's parameter broadcast and FSDP's norm all-reduce
-  are in here). Compute is the same micro-steps on a plain, unwrapped replica of the model
-  (same batch, threads and dtype) run in lockstep on every rank; exposed communication is the
-  synced forward+backward minus that (the wrapper's hooks and copies are counted there too).
+  are in here). Compute is forward+backward of the same number and shape of micro batches on a
+  plain, unwrapped replica of the model (same threads and dtype), run just before each
+  instrumented step in lockstep on every rank; exposed communication is the synced
+  forward+backward minus that (the wrapper's hooks and copies are counted there too).
 * memory: peak resident-set growth of the worker from just before the model is built (Linux
   VmHWM, reset through /proc/self/clear_refs; it includes everything the process touched:
   weights, gradients, optimizer state, activations, allocator slack, DDP buckets) or, on CUDA,
@@ -164,14 +165,20 @@ def _measure(cfg, rt: Runtime, steps: int, warmup: int) -> dict:
     metrics.close()
 
     # --- phase split (instrumented steps; the barriers are the benchmark's, not the product's) ---
+    # Each instrumented product step is paired with the same micro-steps on an unwrapped replica
+    # (compute only), run just before it in lockstep on every rank, so drift hits both alike.
     accum = run.plan.grad_accum_steps
-    data_s = fb_s = opt_s = 0.0
+    replica = _Replica(cfg, rt, run)
+    data_s = fb_s = opt_s = compute_s = 0.0
     grad_bytes = 0
-    batches = []
-    for _ in range(steps):
+    for i in range(steps + 1):  # the first pair warms the replica (allocations, compile) unmeasured
+        batches = [run.train_loader.next_batch() for _ in range(accum)]
+        rt.barrier()
+        t_replica = replica.step(batches)
         rt.barrier()
         set_lr(run.optimizer, lr_at(step, cfg.optim, cfg.train.max_steps))
         run.model.train()
+        data = fb = 0.0
         for micro in range(accum):
             t0 = time.perf_counter()
             x, y = run.train_loader.next_batch()
@@ -183,17 +190,17 @@ def _measure(cfg, rt: Runtime, steps: int, warmup: int) -> dict:
                 (loss / accum).backward()
             _sync(rt.device)
             t2 = time.perf_counter()
-            data_s += t1 - t0
-            fb_s += t2 - t1
-            if len(batches) < accum:
-                batches.append((x, y))
+            data += t1 - t0
+            fb += t2 - t1
         raw = run.strategy.unwrap(run.model)
         grad_bytes = tensor_bytes(p.grad for p in raw.parameters())
         t0 = time.perf_counter()
         run.strategy.clip_grad_norm(run.model, cfg.optim.grad_clip)
         run.strategy.optimizer_step(run.optimizer)
         _sync(rt.device)
-        opt_s += time.perf_counter() - t0
+        if i:
+            opt_s += time.perf_counter() - t0
+            data_s, fb_s, compute_s = data_s + data, fb_s + fb, compute_s + t_replica
         step += 1
 
     raw = run.strategy.unwrap(run.model)
@@ -202,10 +209,8 @@ def _measure(cfg, rt: Runtime, steps: int, warmup: int) -> dict:
     optim_bytes = tensor_bytes(optimizer_tensors(run.optimizer))
     n_params = raw.num_params()
     flops_per_token = run.flops_per_token
-
-    # --- compute only: the same micro batches on a plain replica, every rank in lockstep ------
-    compute_s = _replica_compute_s(cfg, rt, run, batches, steps)
-    del run, raw, batches
+    del run, raw, replica
+    compute_s /= steps
 
     tokens = steps * cfg.train.micro_batch_size * cfg.train.seq_len * rt.world * accum
     return {
@@ -230,32 +235,29 @@ def _measure(cfg, rt: Runtime, steps: int, warmup: int) -> dict:
     }
 
 
-def _replica_compute_s(cfg, rt: Runtime, run, batches, steps: int) -> float:
-    """Seconds per optimizer step of forward+backward alone: an unwrapped copy of the model."""
-    from trainer.model import build_model
+class _Replica:
+    """A plain, unwrapped copy of the model: forward + backward alone (no hooks, no collectives)."""
 
-    replica = build_model(cfg.model).to(rt.device)
-    replica.activation_checkpointing = cfg.train.activation_checkpointing
-    replica.train()
-    forward = torch.compile(replica) if cfg.train.compile else replica
-    accum = len(batches)
+    def __init__(self, cfg, rt: Runtime, run):
+        from trainer.model import build_model
 
-    def one_step():
-        for x, y in batches:
-            with run.strategy.autocast():
-                loss = forward(x, y)[1]
-            (loss / accum).backward()
-        _sync(rt.device)
-        replica.zero_grad(set_to_none=True)
+        self.rt, self.autocast = rt, run.strategy.autocast
+        self.model = build_model(cfg.model).to(rt.device)
+        self.model.activation_checkpointing = cfg.train.activation_checkpointing
+        self.model.train()
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
 
-    one_step()  # warm (allocations, and the compile if any)
-    total = 0.0
-    for _ in range(steps):
-        rt.barrier()
+    def step(self, batches) -> float:
+        """Seconds for forward + backward of these micro batches (gradients then dropped)."""
         t0 = time.perf_counter()
-        one_step()
-        total += time.perf_counter() - t0
-    return total / steps
+        for x, y in batches:
+            with self.autocast():
+                loss = self.forward(x, y)[1]
+            (loss / len(batches)).backward()
+        _sync(self.rt.device)
+        elapsed = time.perf_counter() - t0
+        self.model.zero_grad(set_to_none=True)
+        return elapsed
 
 
 # ------------------------------------------------------------------------------ dtrain vs bare
