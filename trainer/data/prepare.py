@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -217,8 +216,10 @@ def _init_worker() -> None:
 
 
 def _pool_context():
-    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
-        return mp.get_context("fork")
+    # Not fork: forking a process that already runs threads (torch's, tiktoken's, pytest's) can
+    # leave a lock held in the child forever (seen: a tokenizer worker stuck on a futex).
+    if "forkserver" in mp.get_all_start_methods():
+        return mp.get_context("forkserver")
     return mp.get_context("spawn")
 
 
