@@ -11,7 +11,7 @@ from conftest import REPO, dtrain_env, run_dtrain
 
 from trainer.cli import compose
 from trainer.config import to_dict
-from trainer.memory import _zero_partition, estimate, largest_micro_batch, parse_size
+from trainer.memory import estimate, largest_micro_batch, parse_size
 
 # Two model sizes whose peaks differ in make-up: tiny (3.3M params, nearly all embedding; the
 # language-model head's activations dominate) and an 8-layer 128-wide model (blocks count too).
@@ -72,16 +72,10 @@ def test_state_bytes_per_mode(data_dir):
     fsdp = estimate(cfg, "fsdp", 4, 4)
     assert fsdp.params <= full.params / 4 * 1.01 and fsdp.optim <= full.optim / 4 * 1.01
     zero = estimate(cfg, "zero", 2, 4)
-    assert zero.params == full.params and full.optim / 2 <= zero.optim < full.optim
+    assert zero.params == full.params and full.optim / 2 <= zero.optim <= full.optim / 2 * 1.01
     assert estimate(cfg, "ddp", 2, 4).total > full.total  # DDP's buckets keep gradients alive
     checkpointed = config(data_dir, [*SIZES["8x128"], "train.activation_checkpointing=true"])
     assert estimate(checkpointed, "none", 1, 4).activations < full.activations
-
-
-def test_zero_partition_is_greedy_largest_first():
-    # torch's ZeroRedundancyOptimizer: per group, largest first, to the rank holding least so far
-    assert _zero_partition([[10, 3, 7], [5]], 2) == [15, 10]  # 10 | 7+3, then 5 to rank 0 (tie)
-    assert _zero_partition([[4, 4, 4, 4]], 4) == [4, 4, 4, 4]
 
 
 def test_largest_micro_batch_is_the_boundary(data_dir):

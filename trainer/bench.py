@@ -97,7 +97,7 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local AdamW
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO wraps a local AdamW over its rows
     return [t for s in local.state.values() for t in s.values() if torch.is_tensor(t)]
 
 

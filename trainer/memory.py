@@ -3,9 +3,9 @@
 What one rank holds, in bytes:
 
 * parameters, gradients and AdamW state (exp_avg + exp_avg_sq + a step counter per tensor),
-  full or sharded as the mode keeps them: ZeRO partitions the optimizer state by whole
-  parameters (greedy, largest first, as torch's ZeroRedundancyOptimizer does, so one giant
-  embedding can dominate a rank); FSDP shards every tensor along dim 0 (padded to world).
+  full or sharded as the mode keeps them: ZeRO shards the optimizer state of every tensor along
+  dim 0; FSDP shards parameters, gradients and optimizer state that way (chunks of
+  ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world).
 * activations of one micro batch: what forward keeps for backward per transformer block, plus
   the language-model head (logits, their log-softmax and the gradients of both), which for
   GPT-2's 50k vocabulary is often the largest single piece.
@@ -143,18 +143,8 @@ def _meta_model(model_cfg):
         return build_model(model_cfg)
 
 
-def _zero_partition(groups: list[list[int]], world: int) -> list[int]:
-    """Elements of optimizer state per rank under ZeroRedundancyOptimizer's partition: per param
-    group, largest parameter first, each to the rank holding the fewest elements so far."""
-    sizes = [0] * world
-    for numels in groups:
-        for n in sorted(numels, reverse=True):
-            sizes[sizes.index(min(sizes))] += n
-    return sizes
-
-
 def _shard_numel(shape: torch.Size, world: int) -> int:
-    """FSDP2 shards dim 0 in chunks of ceil(dim0 / world) rows: the largest local shard."""
+    """FSDP2 and ZeRO shard dim 0 in chunks of ceil(dim0 / world) rows: the largest local shard."""
     if len(shape) == 0:
         return 1
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
@@ -170,7 +160,6 @@ def device_type_of(cfg) -> str:
 def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | None = None) -> Estimate:
     """Per-rank memory of a training step of `cfg`'s model in `mode` at `world` ranks (worst rank)."""
     from trainer.config import PARALLEL_MODES
-    from trainer.optim import param_groups
 
     if mode not in PARALLEL_MODES:
         raise UserError(f"unknown parallel mode {mode!r}; choose from {', '.join(PARALLEL_MODES)}")
@@ -225,8 +214,7 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         o_b = 2 * n_total * fp32 + step_bytes
         largest = max(p.numel() for p in params)
         if mode == "zero" and world > 1:
-            groups = [[p.numel() for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
-            o_b = 2 * max(_zero_partition(groups, world)) * fp32 + step_bytes
+            o_b = 2 * sum(_shard_numel(p.shape, world) for p in params) * fp32 + step_bytes
         grads_persist = mode in ("ddp", "zero")  # gradient_as_bucket_view: grads live in the buckets
     temporaries = 2 * largest * fp32  # AdamW's sqrt(v) and its scaled copy, one tensor at a time
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME

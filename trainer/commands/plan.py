@@ -106,6 +106,6 @@ def cmd_plan(argv: list[str]) -> None:
         "they persist (DDP/ZeRO buckets), + FSDP's gathered units) and the optimizer step (params + "
         "gradients + optimizer + AdamW temporaries); other = gathered units + temporaries + the process "
         f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}). "
-        "none/dp run one process; zero shards optimizer state by whole parameters; "
+        "none/dp run one process; zero shards optimizer state by rows; "
         "fsdp shards parameters, gradients and optimizer state. * = the mode asked for.[/]"
     )
