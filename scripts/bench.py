@@ -218,7 +218,7 @@ def render_table(args, rows: list[dict]) -> None:
         "[dim]step ms = data wait + forward/backward (synced) + optim, per optimizer step, mean over ranks; "
         "compute = the same micro-steps on an unwrapped replica; "
         "comm exp. = synced forward/backward - compute; "
-        "optim = clip + step (ZeRO's broadcast, FSDP's norm all-reduce included). peak = "
+        "optim = clip + step (ZeRO's all-gather, FSDP's norm all-reduce included). peak = "
         + ("CUDA max_memory_allocated growth" if rows[0]["threads"] is None else
            "resident-set (VmHWM) growth of the worker from just before the model is built")
         + ", worst rank; plan est. = `dtrain plan`'s estimate of that peak. params/grads/optim = bytes this "
@@ -243,7 +243,7 @@ def render_goals(rows: list[dict]) -> None:
             lines.append(f"ZeRO world {world}: optimizer state per rank (worst) = {share:.3f} of the full "
                          "state "
                          f"(goal <= {1 / world:.3f} x 1.02 = {1.02 / world:.3f}) "
-                         f"{'ok' if share <= 1.02 / world else 'MISSED (whole-parameter partitioning)'}")
+                         f"{'ok' if share <= 1.02 / world else 'MISSED'}")
         if mode == "fsdp" and world > 1:
             held = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
             share = held / (full_params * 2 + full_optim)
