@@ -46,6 +46,7 @@ def test_bench_vs_bare_and_tokenize_smoke(data_dir, tmp_path):
                             "--micro-batch", "2", "--seq-len", "32"], data_dir, tmp_path)
     (row,) = result["vs_bare"]
     assert row["dtrain_tokens_per_s"] > 0 and row["bare_tokens_per_s"] > 0 and row["ratio"] > 0
+    assert len(row["round_ratios"]) == 2 and min(row["round_ratios"]) <= row["ratio"] <= max(row["round_ratios"])
     tok = result["tokenize"]
     assert tok["tokens_match"] and tok["pool_tokens_per_s"] > 0 and tok["tiktoken_tokens_per_s"] > 0
     assert "bare tok/s" in stdout and "tiktoken" in stdout

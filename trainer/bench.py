@@ -365,7 +365,7 @@ def _vs_bare(cfg, rt: Runtime, rounds: int, block: int, warmup: int) -> dict:
     blocks = {"dtrain": dtrain_block, "bare": bare_block}
     for fn in blocks.values():
         fn(warmup)
-    seconds = {"dtrain": 0.0, "bare": 0.0}
+    seconds = {"dtrain": [], "bare": []}  # per round, so a load spike spoils one round, not the figure
     for r in range(rounds):
         order = ("dtrain", "bare") if r % 2 == 0 else ("bare", "dtrain")
         for name in order:
@@ -373,10 +373,10 @@ def _vs_bare(cfg, rt: Runtime, rounds: int, block: int, warmup: int) -> dict:
             t0 = time.perf_counter()
             blocks[name](block)
             _sync(rt.device)
-            seconds[name] += time.perf_counter() - t0
+            seconds[name].append(time.perf_counter() - t0)
     metrics.close()
-    tokens = rounds * block * run.plan.total_batch_size
-    return {"rank": rt.rank, "tokens": tokens, "dtrain_s": seconds["dtrain"], "bare_s": seconds["bare"],
+    return {"rank": rt.rank, "tokens_per_block": block * run.plan.total_batch_size,
+            "dtrain_s": seconds["dtrain"], "bare_s": seconds["bare"],
             "threads": torch.get_num_threads() if rt.device.type == "cpu" else None}
 
 

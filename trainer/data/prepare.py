@@ -219,7 +219,11 @@ def _pool_context():
     # Not fork: forking a process that already runs threads (torch's, tiktoken's, pytest's) can
     # leave a lock held in the child forever (seen: a tokenizer worker stuck on a futex).
     if "forkserver" in mp.get_all_start_methods():
-        return mp.get_context("forkserver")
+        context = mp.get_context("forkserver")
+        # The server imports this module once; each worker forks from it with the module (and
+        # numpy, tiktoken) loaded instead of importing them again.
+        context.set_forkserver_preload([__name__])
+        return context
     return mp.get_context("spawn")
 
 
