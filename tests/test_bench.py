@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -74,8 +73,6 @@ def test_metrics_carry_mfu_when_the_peak_is_known(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("DTRAIN_TEST_COMPILE"),
-                    reason="torch.compile takes 25-60 s cold on a 2-core CPU; set DTRAIN_TEST_COMPILE=1")
 def test_compile_with_validation_hellaswag_and_sampling(data_dir, tmp_path):
     hs = tmp_path / "hs.jsonl"
     hs.write_text("".join(json.dumps({"ctx": f"the king {i}", "endings": ["a", "b c", "d", "e f g"],
