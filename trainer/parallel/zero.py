@@ -37,7 +37,7 @@ class ZeroOptimizer:
     Rank r runs the inner optimizer (AdamW, parameter groups as given) on its rows of every
     parameter: views of the model's own parameters and gradients, so nothing is copied on the way
     in. After the update each rank all-gathers the others' rows, bucket by bucket, so every replica
-    holds the same weights again. AdamW is elementwise, so the result equals DDP's bit for bit.
+    holds the same weights again. AdamW is elementwise, so the steps match DDP's.
     """
 
     def __init__(self, groups, optimizer_class, *, rank: int, world: int, bucket_numel: int, **defaults):
@@ -97,7 +97,7 @@ class ZeroOptimizer:
             work, gathered = pending
             pending = self._start_gather(self.buckets[i + 1]) if i + 1 < len(self.buckets) else None
             work.wait()
-            self._scatter_rows(bucket, gathered)
+            self._copy_in_rows(bucket, gathered)
 
     def _start_gather(self, bucket: list[nn.Parameter]):
         width = max(_rows_numel(bucket, rank, self.world) for rank in range(self.world))
@@ -108,7 +108,7 @@ class ZeroOptimizer:
         work = dist.all_gather_single(gathered, send, async_op=True)
         return work, gathered.view(self.world, width)
 
-    def _scatter_rows(self, bucket: list[nn.Parameter], gathered: torch.Tensor) -> None:
+    def _copy_in_rows(self, bucket: list[nn.Parameter], gathered: torch.Tensor) -> None:
         for rank in range(self.world):
             if rank == self.rank:
                 continue
