@@ -97,8 +97,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    local = getattr(optimizer, "optim", optimizer)  # ZeRO wraps a local AdamW over its rows
-    return [t for s in local.state.values() for t in s.values() if torch.is_tensor(t)]
+    # ZeRO's optimizer exposes its local AdamW's state: this rank's rows only
+    return [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
 def _sync(device: torch.device) -> None:

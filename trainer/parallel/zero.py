@@ -44,21 +44,23 @@ class ZeroOptimizer:
         self.rank, self.world = rank, world
         self.params: list[nn.Parameter] = []
         self.shards: list[nn.Parameter] = []  # this rank's rows of each parameter, same order
+        self.my_rows: list[slice] = []
         shard_groups = []
         for group in groups:
             shards = []
             for param in group["params"]:
                 if param.dim() == 0:
                     raise ValueError("parallel=zero shards parameters by rows; a 0-d parameter has none")
-                start, end = row_range(param.shape[0], rank, world)
+                rows = slice(*row_range(param.shape[0], rank, world))
                 # nn.Parameter over a view shares the model parameter's storage: the inner
                 # optimizer's in-place update is the model's update for these rows.
-                shards.append(nn.Parameter(param.detach()[start:end]))
+                shards.append(nn.Parameter(param.detach()[rows]))
                 self.params.append(param)
+                self.my_rows.append(rows)
             self.shards.extend(shards)
             shard_groups.append({**group, "params": shards})
         self.optim = optimizer_class(shard_groups, **defaults)
-        self.buckets = _buckets(self.params, bucket_numel)
+        self.buckets = [_Bucket(params, world) for params in _consecutive(self.params, bucket_numel)]
 
     # The loop sets the learning rate through param_groups; checkpoints read state.
     @property
@@ -81,12 +83,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for param, shard in zip(self.params, self.shards):
-            if param.grad is None:
-                shard.grad = None
-            else:
-                start, end = row_range(param.shape[0], self.rank, self.world)
-                shard.grad = param.grad[start:end]
+        for param, shard, rows in zip(self.params, self.shards, self.my_rows):
+            shard.grad = None if param.grad is None else param.grad[rows]
         self.optim.step()
         self._all_gather_rows()
 
@@ -99,36 +97,37 @@ class ZeroOptimizer:
             work.wait()
             self._copy_in_rows(bucket, gathered)
 
-    def _start_gather(self, bucket: list[nn.Parameter]):
-        width = max(_rows_numel(bucket, rank, self.world) for rank in range(self.world))
-        mine = [p.detach()[slice(*row_range(p.shape[0], self.rank, self.world))].reshape(-1) for p in bucket]
-        padding = mine[0].new_zeros(width - sum(t.numel() for t in mine))
+    def _start_gather(self, bucket: _Bucket):
+        mine = [p.detach()[rows].reshape(-1) for p, rows in zip(bucket.params, bucket.rows[self.rank])]
+        padding = mine[0].new_zeros(bucket.width - sum(t.numel() for t in mine))
         send = torch.cat([*mine, padding])
-        gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
+        gathered = send.new_empty(self.world * bucket.width)  # gloo takes the concatenated form only
         work = dist.all_gather_single(gathered, send, async_op=True)
-        return work, gathered.view(self.world, width)
+        return work, gathered.view(self.world, bucket.width)
 
-    def _copy_in_rows(self, bucket: list[nn.Parameter], gathered: torch.Tensor) -> None:
+    def _copy_in_rows(self, bucket: _Bucket, gathered: torch.Tensor) -> None:
         for rank in range(self.world):
             if rank == self.rank:
                 continue
             offset = 0
-            for param in bucket:
-                start, end = row_range(param.shape[0], rank, self.world)
-                rows = param.detach()[start:end]
-                rows.copy_(gathered[rank, offset:offset + rows.numel()].view_as(rows))
-                offset += rows.numel()
+            for param, rows in zip(bucket.params, bucket.rows[rank]):
+                target = param.detach()[rows]
+                target.copy_(gathered[rank, offset:offset + target.numel()].view_as(target))
+                offset += target.numel()
 
 
-def _rows_numel(bucket: list[nn.Parameter], rank: int, world: int) -> int:
-    total = 0
-    for param in bucket:
-        start, end = row_range(param.shape[0], rank, world)
-        total += (end - start) * (param.numel() // param.shape[0] if param.shape[0] else 0)
-    return total
+class _Bucket:
+    """Parameters all-gathered together: every rank's rows of each, and the padded per-rank width."""
+
+    def __init__(self, params: list[nn.Parameter], world: int):
+        self.params = params
+        self.rows = [[slice(*row_range(p.shape[0], rank, world)) for p in params] for rank in range(world)]
+        self.width = max(
+            sum(p.detach()[r].numel() for p, r in zip(params, rows)) for rows in self.rows
+        )
 
 
-def _buckets(params: list[nn.Parameter], cap_numel: int) -> list[list[nn.Parameter]]:
+def _consecutive(params: list[nn.Parameter], cap_numel: int) -> list[list[nn.Parameter]]:
     """Consecutive parameters in buckets of about cap_numel elements (at least one each)."""
     buckets, current, size = [], [], 0
     for param in params:
