@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config import from_dict
@@ -106,14 +105,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather(rt: Runtime, obj) -> list:
-    if rt.distributed and rt.world > 1:
-        out = [None] * rt.world
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
-
-
 # --------------------------------------------------------------------------- one configuration
 
 
@@ -133,7 +124,7 @@ def bench_worker(cfg_dict: dict, steps: int, warmup: int) -> list[dict]:
     rt = init_runtime(cfg.train.device, strategy_class(cfg.parallel.mode).needs_process_group,
                       cfg.launch.timeout_s, cfg.launch.threads_per_worker)
     try:
-        return _gather(rt, _measure(cfg, rt, steps, warmup))
+        return rt.all_gather_object(_measure(cfg, rt, steps, warmup))
     finally:
         rt.shutdown()
 
@@ -334,7 +325,7 @@ def vs_bare_worker(cfg_dict: dict, rounds: int, block: int, warmup: int) -> list
     rt = init_runtime(cfg.train.device, strategy_class(cfg.parallel.mode).needs_process_group,
                       cfg.launch.timeout_s, cfg.launch.threads_per_worker)
     try:
-        return _gather(rt, _vs_bare(cfg, rt, rounds, block, warmup))
+        return rt.all_gather_object(_vs_bare(cfg, rt, rounds, block, warmup))
     finally:
         rt.shutdown()
 
@@ -390,7 +381,7 @@ def peak_worker(cfg_dict: dict, steps: int = 3) -> list[dict]:
     rt = init_runtime(cfg.train.device, strategy_class(cfg.parallel.mode).needs_process_group,
                       cfg.launch.timeout_s, cfg.launch.threads_per_worker)
     try:
-        return _gather(rt, _peak(cfg, rt, steps))
+        return rt.all_gather_object(_peak(cfg, rt, steps))
     finally:
         rt.shutdown()
 

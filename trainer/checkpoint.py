@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainer.errors import CheckpointError, ConfigError
 from trainer.parallel.base import tied_aliases
 from trainer.rundir import CHECKPOINT_DIR
+from trainer.runtime import restart_count
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
@@ -453,8 +454,6 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 # --- the training side --------------------------------------------------------------------------
@@ -471,10 +470,9 @@ class Checkpointer:
         if c.keep < 1:
             raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1")
         self.interval, self.keep = c.interval, c.keep
-        self.world_pg = rt.distributed and rt.world > 1
         # Rank 0's run directory is the one checkpoints go to (every node must see it: shared
         # storage across nodes), so all ranks agree on one folder even where nodes differ.
-        self.root = Path(self._broadcast(str(Path(run_dir) / CHECKPOINT_DIR)))
+        self.root = Path(self.rt.broadcast_object(str(Path(run_dir) / CHECKPOINT_DIR)))
         self.async_save = bool(c.async_save)
         self.pg = None
         if self.async_save and rt.distributed:
@@ -484,24 +482,9 @@ class Checkpointer:
         self.pending = None  # (future, tmp folder, final folder, step, JSON record) of an async save
         self.resumed_from: Path | None = None
 
-    # --- collectives that are no-ops in one process ---
-    def _broadcast(self, obj):
-        if not self.world_pg:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _all_gather(self, obj) -> list:
-        if not self.world_pg:
-            return [obj]
-        out = [None] * self.rt.world
-        dist.all_gather_object(out, obj)
-        return out
-
     def _agree(self, problem: str | None) -> None:
         """Rank 0's problem (or None) reaches every rank; all raise together."""
-        problem = self._broadcast(problem)
+        problem = self.rt.broadcast_object(problem)
         if problem:
             raise CheckpointError(problem)
 
@@ -547,7 +530,7 @@ class Checkpointer:
                 problem = str(err)
             except OSError as err:
                 problem = f"cannot read checkpoints under {self.root}: {_first_line(err)}"
-        choice, problem = self._broadcast((choice, problem))
+        choice, problem = self.rt.broadcast_object((choice, problem))
         if problem:
             raise CheckpointError(problem)
         if choice is None:
@@ -610,7 +593,7 @@ class Checkpointer:
         self._agree(problem)
 
         local = {"loader": run.train_loader.state_dict(), "rng": rng_state(self.rt.device)}
-        gathered = self._all_gather(local)
+        gathered = self.rt.all_gather_object(local)
         strategy = run.strategy
         tensors = {
             "model": strategy.model_state_dict(run.model),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -31,7 +30,9 @@ def check_run_dir(run_dir: Path, resume: str) -> None:
     one). A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always
     continues its own outputs.
     """
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    from trainer.runtime import restart_count  # torch.distributed: only where a run dir is checked
+
+    if restart_count() > 0:
         return
     if resume not in ("auto", "never"):
         from trainer.checkpoint import resolve_checkpoint

@@ -50,6 +50,14 @@ class Runtime:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order (just [obj] in one process)."""
+        if not (self.distributed and self.world > 1):
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             # A barrier first: gloo can abort at exit when one rank tears down while another
@@ -89,8 +97,12 @@ def _process_group_store(timeout: timedelta):
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"dtrain_attempt_{attempt}", store)
+    return dist.PrefixStore(f"dtrain_attempt_{restart_count()}", store)
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this job's workers (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, threads: int | None) -> Runtime:
