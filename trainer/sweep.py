@@ -52,7 +52,7 @@ STATE = _SweepState()
 
 
 # --- the figures of one run -------------------------------------------------------------------
-def _finite(value: Any) -> float | None:
+def finite_or_none(value: Any) -> float | None:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)
     return None
@@ -64,13 +64,13 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
     records = read_metrics(run_dir / METRICS_FILE)
     summary = next((r["summary"] for r in reversed(records) if isinstance(r.get("summary"), dict)), None)
     train = [r for r in records if "loss" in r]
-    vals = [r["val_loss"] for r in records if _finite(r.get("val_loss")) is not None]
-    hellaswag = [r["hellaswag_acc_norm"] for r in records if _finite(r.get("hellaswag_acc_norm")) is not None]
+    vals = [r["val_loss"] for r in records if finite_or_none(r.get("val_loss")) is not None]
+    hellaswag = [r["hellaswag_acc_norm"] for r in records if finite_or_none(r.get("hellaswag_acc_norm")) is not None]
     figures: dict[str, Any] = {
         "finished": summary is not None,
         "steps": max((r.get("step", 0) for r in records), default=0),
         "tokens": max((r.get("tokens", 0) for r in records), default=0),
-        "final_loss": _finite(train[-1]["loss"]) if train else None,
+        "final_loss": finite_or_none(train[-1]["loss"]) if train else None,
         "best_val_loss": min(vals) if vals else None,
         "hellaswag_acc_norm": hellaswag[-1] if hellaswag else None,
         "tokens_per_s": None,
@@ -78,10 +78,10 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
     }
     if summary is not None:
         for key in ("final_loss", "best_val_loss", "tokens_per_s", "wall_s", "steps", "tokens"):
-            if _finite(summary.get(key)) is not None:
+            if finite_or_none(summary.get(key)) is not None:
                 figures[key] = summary[key]
     elif train:
-        rates = [r["tokens_per_s"] for r in train if _finite(r.get("tokens_per_s")) is not None]
+        rates = [r["tokens_per_s"] for r in train if finite_or_none(r.get("tokens_per_s")) is not None]
         figures["tokens_per_s"] = sum(rates) / len(rates) if rates else None
     return figures
 
@@ -94,7 +94,7 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _write_json_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -102,7 +102,7 @@ def _write_json_atomic(path: Path, text: str) -> None:
 
 def write_status(point_dir: Path, status: dict[str, Any]) -> None:
     point_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(point_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
+    write_text_atomic(point_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -132,7 +132,7 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     """Rebuild <sweep dir>/summary.jsonl from the points' status files (one line per point)."""
     records = sweep_records(sweep_dir)
     if records or (sweep_dir / SUMMARY_FILE).exists():
-        _write_json_atomic(sweep_dir / SUMMARY_FILE, "".join(json.dumps(r) + "\n" for r in records))
+        write_text_atomic(sweep_dir / SUMMARY_FILE, "".join(json.dumps(r) + "\n" for r in records))
     return records
 
 
@@ -230,7 +230,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
     figures = run_figures(point_dir)
     figures.pop("finished")
     best = figures["best_val_loss"]
-    if best is None and _finite(result.get("best_val_loss")) is not None:
+    if best is None and finite_or_none(result.get("best_val_loss")) is not None:
         best = figures["best_val_loss"] = result["best_val_loss"]
     if head:
         write_status(point_dir, {**base, "status": "ok", **figures, "wall_s": wall, "error": None})

@@ -17,7 +17,6 @@ train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hell
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -215,16 +214,16 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         "examples_per_s": round(result.n / wall, 3) if wall > 0 else None,
     }
     if rt.is_main:
-        _write_json(run_dir / RESULT_FILE, record)
+        from trainer.sweep import write_text_atomic
+
+        write_text_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
         _print_result(record, run_dir / RESULT_FILE)
     return record
 
 
 def _checkpoint_step(weights: str) -> int | None:
-    try:
-        from trainer.checkpoint import checkpoint_step
-    except ImportError:
-        return None
+    from trainer.checkpoint import checkpoint_step
+
     return checkpoint_step(Path(weights)) if Path(weights).is_dir() else None
 
 
@@ -251,12 +250,6 @@ def _progress_bar(enabled: bool, hellaswag) -> _Bar | None:
         return None
     shard = "" if hellaswag.world == 1 else f" (rank 0's share of {hellaswag.n_total:,})"
     return _Bar(hellaswag.n_local, f"[bold]hellaswag[/]{shard}")
-
-
-def _write_json(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _print_result(record: dict, path: Path) -> None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from trainer.config import PARALLEL_MODES
 from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
 
 USAGE = "usage: dtrain plan [key=value overrides ...] [--device-memory SIZE, e.g. 80GiB]"
-MODES = ("none", "dp", "ddp", "zero", "fsdp")
 
 
 def _parse(argv: list[str]) -> tuple[list[str], int | None]:
@@ -85,7 +85,7 @@ def cmd_plan(argv: list[str]) -> None:
     for col in ("mode", "world", "params", "grads", "optimizer", "activations", "other", "peak", "fits",
                 "max micro batch"):
         table.add_column(col, justify="left" if col == "mode" else "right")
-    for mode in MODES:
+    for mode in PARALLEL_MODES:
         w = 1 if mode in ("none", "dp") else world
         est = estimate(cfg, mode, w, B, device_type)
         other = est.gathered + est.runtime + (est.temporaries if est.step_peak > est.backward_peak else 0)

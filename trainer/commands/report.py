@@ -14,7 +14,6 @@ matplotlib is an optional extra: pip install 'dtrain[plot]'.
 
 from __future__ import annotations
 
-import math
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from trainer.errors import UserError
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.sweep import (
     STATUS_FILE,
+    finite_or_none,
     labels,
     point_dirs,
     read_overrides,
@@ -112,13 +112,9 @@ def load_run(path: Path, name: str) -> RunData:
         overrides=overrides,
         record=record,
         train=[r for r in records if "loss" in r and "tokens" in r],
-        val=[r for r in records if _finite(r.get("val_loss")) and "tokens" in r],
-        hellaswag=[r for r in records if _finite(r.get("hellaswag_acc_norm")) and "tokens" in r],
+        val=[r for r in records if finite_or_none(r.get("val_loss")) is not None and "tokens" in r],
+        hellaswag=[r for r in records if finite_or_none(r.get("hellaswag_acc_norm")) is not None and "tokens" in r],
     )
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _smooth(values: list[float], points: int) -> list[float]:
@@ -173,7 +169,7 @@ class Plotter:
         return path
 
     def _line(self, ax, i: int, run: RunData, rows: list[dict], key: str, smooth: bool = False, **kw) -> bool:
-        rows = [r for r in rows if _finite(r.get(key))]
+        rows = [r for r in rows if finite_or_none(r.get(key)) is not None]
         if not rows:
             return False
         x = [r["tokens"] for r in rows]
