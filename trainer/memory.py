@@ -19,9 +19,10 @@ of a measured peak.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
-from dataclasses import dataclass
 
 import torch
 
@@ -94,7 +95,7 @@ CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker t
 CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not measured here)
 
 
-@dataclass
+@dataclasses.dataclass
 class Estimate:
     """Per-rank bytes. `peak` is the larger of two moments of a step:
     backward's start (activations live, gradients only where they persist: DDP/ZeRO buckets) and
@@ -137,10 +138,19 @@ class Estimate:
 
 
 def _meta_model(model_cfg):
-    from trainer.model import build_model
+    """The model on the meta device (shapes only), built once per architecture: `dtrain plan`
+    estimates every mode and searches micro batches on the same model (about 70 estimates)."""
+    from trainer.model import GPTConfig
+
+    return _meta_model_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_model_of(fields: tuple):
+    from trainer.model import GPT, GPTConfig
 
     with torch.device("meta"):
-        return build_model(model_cfg)
+        return GPT(GPTConfig(*fields))
 
 
 def _shard_numel(shape: torch.Size, world: int) -> int:
