@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -15,7 +16,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainer.errors import ConfigError
 
-PARALLEL_MODES = ("none", "dp", "ddp", "zero", "fsdp")
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The modes are the options of the `parallel` config group (each names its Strategy's module in
+# trainer/parallel/); read from the folder so that checking a config never imports torch.
+PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

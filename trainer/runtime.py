@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 
 
 @dataclass
@@ -49,6 +49,26 @@ class Runtime:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def agree(self, problem: str | None, error: type[UserError] = UserError) -> None:
+        """Rank 0's problem (or None) reaches every rank, and all raise together: a check that only
+        rank 0 can make (it owns the run directory) fails the job on every rank, not a hang."""
+        problem = self.broadcast_object(problem)
+        if problem:
+            raise error(problem)
+
+    def from_main(self, work, error: type[UserError] = UserError):
+        """Rank 0 runs `work()`; its result reaches every rank, or its UserError is raised on all."""
+        result = problem = None
+        if self.is_main:
+            try:
+                result = work()
+            except UserError as err:
+                problem = str(err)
+        result, problem = self.broadcast_object((result, problem))
+        if problem:
+            raise error(problem)
+        return result
 
     def all_gather_object(self, obj) -> list:
         """Every rank's `obj`, in rank order (just [obj] in one process)."""

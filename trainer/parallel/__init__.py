@@ -1,19 +1,31 @@
-"""Parallelism modes behind one interface (see base.Strategy)."""
+"""Parallelism modes behind one interface (see base.Strategy).
+
+A mode is one module here (a Strategy subclass with its `name`) and one YAML in conf/parallel/:
+the classes are found by importing this package's modules, so adding a mode changes nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from trainer.parallel.base import Strategy
-from trainer.parallel.ddp import DDPStrategy
-from trainer.parallel.dp import DataParallelStrategy
-from trainer.parallel.fsdp import FSDPStrategy
-from trainer.parallel.single import SingleStrategy
-from trainer.parallel.zero import ZeroStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "none": SingleStrategy,
-    "dp": DataParallelStrategy,
-    "ddp": DDPStrategy,
-    "zero": ZeroStrategy,
-    "fsdp": FSDPStrategy,
-}
+
+def _discover() -> dict[str, type[Strategy]]:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    found: dict[str, type[Strategy]] = {}
+    pending = [Strategy]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls.__module__ != f"{__name__}.base":
+            found[cls.name] = cls
+    return found
+
+
+STRATEGIES: dict[str, type[Strategy]] = _discover()
 
 
 def strategy_class(mode: str) -> type[Strategy]:

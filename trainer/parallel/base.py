@@ -22,7 +22,13 @@ class Strategy:
     """Single-process behaviour; each mode overrides only what it changes."""
 
     name = "none"
-    needs_process_group = False
+    # What the mode is; the rest of dtrain (config checks, preflight, memory plan, eval) asks these
+    # instead of comparing mode names.
+    needs_process_group = False  # a process group is up even at world 1
+    syncs_replicas = False  # several workers train one model (gradients are synchronised)
+    one_process_many_devices = False  # one process drives every visible device (no multi-process launch)
+    shards_parameters = False  # each rank holds 1/world of the parameters and gradients
+    shards_optimizer_state = False  # each rank holds a part of the optimizer state
 
     def __init__(self, parallel_cfg, train_cfg, runtime: Runtime):
         self.cfg = parallel_cfg

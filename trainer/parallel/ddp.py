@@ -12,6 +12,7 @@ from trainer.parallel.base import Strategy
 class DDPStrategy(Strategy):
     name = "ddp"
     needs_process_group = True
+    syncs_replicas = True
 
     def wrap(self, model):
         model = model.to(self.rt.device)

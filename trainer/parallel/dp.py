@@ -12,6 +12,7 @@ from trainer.parallel.base import Strategy
 
 class DataParallelStrategy(Strategy):
     name = "dp"
+    one_process_many_devices = True
 
     def __init__(self, parallel_cfg, train_cfg, runtime):
         super().__init__(parallel_cfg, train_cfg, runtime)

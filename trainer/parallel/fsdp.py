@@ -16,6 +16,9 @@ from trainer.parallel.base import Strategy
 class FSDPStrategy(Strategy):
     name = "fsdp"
     needs_process_group = True
+    syncs_replicas = True
+    shards_parameters = True
+    shards_optimizer_state = True
 
     def __init__(self, parallel_cfg, train_cfg, runtime):
         super().__init__(parallel_cfg, train_cfg, runtime)

@@ -143,6 +143,7 @@ def _consecutive(params: list[nn.Parameter], cap_numel: int) -> list[list[nn.Par
 
 class ZeroStrategy(DDPStrategy):
     name = "zero"
+    shards_optimizer_state = True
 
     def build_optimizer(self, model, optim_cfg):
         raw = self.unwrap(model)

@@ -1,0 +1,79 @@
+"""Files written so that a crash never leaves half of one, checksums, and one-line error text.
+
+Everything here is standard library only: the checking layer (cli, compose, config, run-dir checks)
+uses it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: str | bytes, *, durable: bool = False, mode: int | None = None) -> None:
+    """Write `data` to `path` through a temporary file in the same folder and one rename: a reader
+    sees the old file or the new one, never a torn one. `durable` also fsyncs the file and the
+    folder (for files a resume depends on). `mode` sets the permission bits (mkstemp makes 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_durable(path: Path, text: str) -> None:
+    """Write a new file in place and fsync it (inside a folder that is published by a rename later)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable; a no-op where that is unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def one_line(text) -> str:
+    """Any text (an exception's message, a file's content) folded onto one line."""
+    return " ".join(str(text).split())
+
+
+def first_line(err: BaseException) -> str:
+    """`ErrorType: the first line of its message`, for errors that wrap another one."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".strip()
