@@ -121,11 +121,12 @@ def points(args) -> list[tuple[str, int]]:
 def launch(cfg, world: int, entrypoint, extra: tuple) -> list[dict]:
     """Run entrypoint(cfg_dict, *extra) on `world` fresh workers; all ranks' figures."""
     from trainer.config import to_dict
-    from trainer.launch import launch_workers
+    from trainer.launch import run_workers
 
     cfg_dict = to_dict(cfg)
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as run_dir:
-        return launch_workers(cfg_dict, Path(run_dir), world, entrypoint=entrypoint, args=(cfg_dict, *extra))
+        return run_workers(entrypoint, (cfg_dict, *extra), cfg_dict["launch"], world, Path(run_dir) / "logs",
+                           fresh_processes=True)
 
 
 def prepare_data(cfg) -> None:

@@ -101,7 +101,7 @@ def main() -> None:
 
     from trainer.cli import compose
     from trainer.config import to_dict
-    from trainer.launch import launch_workers
+    from trainer.launch import run_workers
 
     with tempfile.TemporaryDirectory(prefix="bench-hellaswag-") as tmp:
         tmp = Path(tmp)
@@ -115,7 +115,8 @@ def main() -> None:
             if world == 1:
                 result = bench_worker(cfg_dict)
             else:
-                result = launch_workers(cfg_dict, tmp, world, entrypoint=bench_worker, args=(cfg_dict,))
+                result = run_workers(bench_worker, (cfg_dict,), cfg_dict["launch"], world, tmp / "logs",
+                                     fresh_processes=True)
             rows.append(result)
             print(f"{args.model} parallel={args.parallel} world={world}: {result['n']} examples in "
                   f"{result['wall_s']:.1f} s = {result['examples_per_s']:.2f} examples/s "

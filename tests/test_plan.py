@@ -25,10 +25,11 @@ MEASURE = """
 import json, sys
 from pathlib import Path
 from trainer.bench import peak_worker
-from trainer.launch import launch_workers
+from trainer.launch import run_workers
 if __name__ == "__main__":
     cfg, world, run_dir = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    print("RESULT", json.dumps(launch_workers(cfg, Path(run_dir), world, peak_worker, (cfg, 3))))
+    print("RESULT", json.dumps(run_workers(peak_worker, (cfg, 3), cfg["launch"], world, Path(run_dir) / "logs",
+                                                fresh_processes=True)))
 """
 
 

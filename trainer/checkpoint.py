@@ -44,10 +44,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError
 from trainer.parallel.base import tied_aliases
 from trainer.rundir import CHECKPOINT_DIR
-from trainer.runtime import restart_count
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"

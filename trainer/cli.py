@@ -210,9 +210,9 @@ def train_job(cfg) -> float:
 
 def run_training(cfg, run_dir: Path) -> dict:
     from trainer.config import requested_world, to_dict, validate
-    from trainer.launch import launch_workers
+    from trainer.env import under_torchrun
+    from trainer.launch import run_workers
     from trainer.preflight import preflight
-    from trainer.runtime import under_torchrun
     from trainer.worker import worker_main
 
     validate(cfg)
@@ -221,9 +221,7 @@ def run_training(cfg, run_dir: Path) -> dict:
     if under_torchrun():
         return worker_main(cfg_dict, str(run_dir), preflight_done=False)
     preflight(cfg, run_dir, world)
-    if world == 1 and cfg.launch.nnodes == 1:
-        return worker_main(cfg_dict, str(run_dir))
-    return launch_workers(cfg_dict, run_dir, world)
+    return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
 
 
 # --- dtrain prepare ---------------------------------------------------------------------------

@@ -6,7 +6,6 @@ wrong type fails while the config is composed, before any work starts.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -14,6 +13,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from trainer.env import launched_world
 from trainer.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -227,9 +227,8 @@ def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:
 
 def requested_world(cfg: DictConfig) -> int:
     """World size for this run: cfg.world, checked against torchrun's WORLD_SIZE when under it."""
-    env_world = os.environ.get("WORLD_SIZE")
+    env_world = launched_world()
     if env_world is not None:
-        env_world = int(env_world)
         if cfg.world is not None and cfg.world != env_world:
             raise ConfigError(
                 f"world={cfg.world} but torchrun started {env_world} workers; "
@@ -276,7 +275,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.launch.nnodes < 1:
         raise ConfigError(f"launch.nnodes={cfg.launch.nnodes} must be at least 1")
     world = 1 if cfg.world is None else cfg.world
-    if "WORLD_SIZE" not in os.environ and world % cfg.launch.nnodes:
+    if launched_world() is None and world % cfg.launch.nnodes:
         raise ConfigError(
             f"world={world} is not divisible by launch.nnodes={cfg.launch.nnodes}; "
             "world is the total number of workers across all nodes"

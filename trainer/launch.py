@@ -12,8 +12,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainer.env import under_torchrun
 from trainer.errors import UserError
-from trainer.worker import worker_main
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 
@@ -22,19 +22,24 @@ class WorkerFailed(Exception):
     """A worker died for a reason that is not the user's input; carries its error report."""
 
 
-def launch_workers(cfg_dict: dict, run_dir: Path, world: int, entrypoint: Callable[..., dict] = worker_main,
-                   args: tuple | None = None) -> dict:
-    """Run entrypoint(*args) on `world` workers (world / nnodes on this node); return rank 0's result.
+def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,
+                fresh_processes: bool = False) -> dict:
+    """Run entrypoint(*args) on `world` workers and return rank 0's result (training, `dtrain
+    eval` and the benchmarks all start their workers here).
 
-    The default is training: worker_main(cfg_dict, str(run_dir)). Another entrypoint (e.g. `dtrain
-    eval`'s) must be a module-level function (picklable) taking its own args.
+    One worker on one node, or a process that torchrun already started, runs it in this process;
+    otherwise torchrun's engine starts world / nnodes workers on this node. `entrypoint` must be a
+    module-level function (picklable); `launch` is the config's launch section; the workers other
+    than local rank 0 log to files under `log_dir`. `fresh_processes` starts even one worker as a
+    new process (benchmarks measure a process that did nothing else).
     """
-    launch = cfg_dict["launch"]
+    if under_torchrun() or (world == 1 and launch["nnodes"] == 1 and not fresh_processes):
+        return entrypoint(*args)
     nnodes = launch["nnodes"]
     nproc = world // nnodes
     # Local rank 0 prints to this terminal (the rich progress bar); the others log to files.
     redirects = {local_rank: Std.ALL for local_rank in range(1, nproc)}
-    logs = DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=redirects, tee=Std.NONE)
+    logs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects, tee=Std.NONE)
     rdzv_id = launch["rdzv_id"]
     if nnodes == 1 and rdzv_id == "dtrain":
         rdzv_id = f"dtrain-{uuid.uuid4().hex[:8]}"  # distinct jobs on one host never share a rendezvous
@@ -54,8 +59,7 @@ def launch_workers(cfg_dict: dict, run_dir: Path, world: int, entrypoint: Callab
     )
     _quiet_user_errors()
     try:
-        call_args = args if args is not None else (cfg_dict, str(run_dir))
-        results = elastic_launch(config, entrypoint)(*call_args)
+        results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainer.env import restart_count
 from trainer.errors import UserError
 from trainer.metrics import METRICS_FILE
 
@@ -30,8 +31,6 @@ def check_run_dir(run_dir: Path, resume: str) -> None:
     one). A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always
     continues its own outputs.
     """
-    from trainer.runtime import restart_count  # torch.distributed: only where a run dir is checked
-
     if restart_count() > 0:
         return
     if resume not in ("auto", "never"):

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.env import restart_count
 from trainer.errors import ConfigError, UserError
 
 
@@ -89,10 +90,6 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def pick_device(spec: str, local_rank: int) -> torch.device:
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -118,11 +115,6 @@ def _process_group_store(timeout: timedelta):
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"dtrain_attempt_{restart_count()}", store)
-
-
-def restart_count() -> int:
-    """How many times torchrun's agent has restarted this job's workers (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, threads: int | None) -> Runtime:

@@ -33,7 +33,7 @@ USAGE = ("usage: dtrain eval RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval
 
 
 def cmd_eval(argv: list[str]) -> dict:
-    from trainer.runtime import under_torchrun
+    from trainer.env import under_torchrun
 
     run_dir, cfg, weights = eval_setup(argv)
     cfg_dict = to_dict(cfg)
@@ -45,14 +45,12 @@ def cmd_eval(argv: list[str]) -> dict:
     from trainer.evals.hellaswag import hellaswag_file
 
     cfg_dict["eval"]["hellaswag"]["path"] = str(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir))
-    if world == 1 and cfg.launch.nnodes == 1:
-        return eval_worker(cfg_dict, str(run_dir), weights)
     from trainer.cli import fail
-    from trainer.launch import WorkerFailed, launch_workers
+    from trainer.launch import WorkerFailed, run_workers
 
     try:
-        return launch_workers(cfg_dict, run_dir, world, entrypoint=eval_worker,
-                              args=(cfg_dict, str(run_dir), weights))
+        return run_workers(eval_worker, (cfg_dict, str(run_dir), weights), cfg_dict["launch"], world,
+                           run_dir / "logs")
     except WorkerFailed as err:
         fail(str(err), code=1)
 
