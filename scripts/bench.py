@@ -87,7 +87,7 @@ def base_overrides(args) -> list[str]:
 
 
 def compose_point(args, mode: str, world: int):
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.config import validate
 
     cfg = compose([*base_overrides(args), f"parallel={mode}", f"world={world}"])

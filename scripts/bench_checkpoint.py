@@ -65,7 +65,7 @@ def _timed(rt, fn) -> float:
 
 def _worker(rank: int, world: int, port: int, mode: str, model: str, root: str, queue) -> None:
     from trainer.checkpoint import Checkpointer, latest_checkpoint
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.runtime import Runtime
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

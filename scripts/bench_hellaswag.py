@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--file", help="a real HellaSwag jsonl (default: synthetic examples)")
     args = ap.parse_args()
 
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.config import to_dict
     from trainer.launch import run_workers
 

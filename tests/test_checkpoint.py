@@ -319,7 +319,7 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
     """A permission error while saving (an immutable checkpoints/ folder: root ignores plain
     permissions), through the real Run and Checkpointer in this process."""
     from trainer.checkpoint import Checkpointer
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.loop import Run
     from trainer.runtime import Runtime
 

@@ -6,7 +6,7 @@ import pytest
 from dist_workers import train_and_inspect
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.config import to_dict
 
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import REPO, read_metrics, run_dtrain
 
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.config import batch_plan, validate
 
 

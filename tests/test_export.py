@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from trainer.checkpoint import Checkpointer, latest_checkpoint, model_from_run
-from trainer.cli import compose, main
+from trainer.cli import main
 from trainer.commands.export import CONV1D_WEIGHTS, cmd_export
 from trainer.commands.sample import cmd_sample
+from trainer.compose import compose
 from trainer.errors import UserError
 from trainer.loop import TrainState
 from trainer.model import build_model

@@ -271,7 +271,7 @@ def trained_run(data_dir, tmp_path_factory):
     for it. (10 steps already take the easy set from chance to 43/43.)"""
     from conftest import corpus_text
 
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.loop import Run
     from trainer.rundir import write_config_record
 

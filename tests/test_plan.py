@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, dtrain_env, run_dtrain
 
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.config import to_dict
 from trainer.memory import estimate, largest_micro_batch, parse_size
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, run_dtrain
 
-from trainer.sweep import STATUS_FILE, SUMMARY_FILE, identity, labels
+from trainer.results import STATUS_FILE, labels
+from trainer.sweep import SUMMARY_FILE, identity
 
 
 def sweep_args(data_dir: Path, *extra: str) -> list[str]:

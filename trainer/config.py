@@ -247,11 +247,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     if cfg.world is not None and cfg.world < 1:
         raise ConfigError(f"world={cfg.world} must be at least 1")
-    if p.mode == "dp" and requested_world(cfg) > 1:
-        raise ConfigError(
-            "parallel=dp drives every GPU from one process and cannot run under a multi-process launch; "
-            "use parallel=ddp for several workers, or world=1 with parallel=dp"
-        )
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if t.seq_len > m.block_size:

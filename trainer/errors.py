@@ -1,4 +1,5 @@
-"""Errors a user can cause: the CLI turns them into one clear line and exit code 2."""
+"""Errors a user can cause (the CLI turns them into one clear line and exit code 2), and a worker's
+failure that is not the user's (one line and its report, exit code 1)."""
 
 
 class UserError(Exception):
@@ -15,3 +16,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     pass
+
+
+class WorkerFailed(Exception):
+    """A worker died for a reason that is not the user's input; carries its error report."""

@@ -13,13 +13,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
-from trainer.errors import UserError
+from trainer.errors import UserError, WorkerFailed
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
-
-
-class WorkerFailed(Exception):
-    """A worker died for a reason that is not the user's input; carries its error report."""
 
 
 def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -13,7 +14,20 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from trainer.errors import ConfigError
+from trainer.io import write_atomic
+
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def require_tracker(logger: str) -> None:
+    """The package a logger writes with is installed (checked before a run starts)."""
+    if logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "logger=tensorboard needs the tensorboard package; run pip install 'dtrain[tensorboard]' "
+            "or use logger=jsonl"
+        )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -44,17 +58,19 @@ class MetricsLogger:
             self._truncate_after(resume_step)
         self._file = self.path.open("a", buffering=1)
         if tensorboard:
-            from trainer.tensorboard import open_writer
+            require_tracker("tensorboard")
+            # an optional extra, and it imports torch: only for runs that log to TensorBoard
+            from torch.utils.tensorboard import SummaryWriter
 
-            # TensorBoard hides events at steps >= purge_step: keep the resumed step itself
-            self._tb = open_writer(run_dir, purge_step=resume_step + 1 if resume_step else None)
+            # TensorBoard hides events at steps >= purge_step (the resumed step itself is kept), as
+            # metrics.jsonl drops the lines past it.
+            purge_step = resume_step + 1 if resume_step else None
+            self._tb = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines past the resumed step, so a resume logs no step twice and none is missing."""
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -1,28 +1,23 @@
-"""Checks and preparation done once, before any worker starts: a bad input fails here, cleanly."""
+"""Checks and preparation done once, before any worker starts: a bad input fails here, cleanly,
+before anything is written to the run directory (and before torch is imported)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rich.console import Console
-
 from trainer.config import batch_plan, to_dict, validate
+from trainer.data.prepare import prepare
+from trainer.data.shards import open_split
+from trainer.data.tokenizer import gpt2_encoding
+from trainer.errors import DataError
+from trainer.metrics import require_tracker
 from trainer.rundir import check_run_dir, write_config_record
 
 
-def preflight(cfg, run_dir: Path, world: int) -> None:
-    """Validate the config, make sure data and tokenizer are ready, and record the config."""
-    from trainer.data.prepare import prepare
-    from trainer.data.shards import open_split
-    from trainer.errors import DataError
-
+def check_run(cfg, run_dir: Path, world: int) -> None:
+    """Validate the config, the run directory, the data, the tokenizer and the logger's package."""
     validate(cfg)
     check_run_dir(run_dir, cfg.resume)
-    if cfg.parallel.mode in ("zero", "fsdp") and world == 1:
-        Console(stderr=True).print(
-            f"[yellow]parallel={cfg.parallel.mode} with world=1 shards nothing; it runs, but use world>1 "
-            "for its memory savings[/]"
-        )
     if cfg.data.auto_prepare:
         prepare(cfg.data)  # a quick no-op once prepared with the same settings
     plan = batch_plan(cfg, world)
@@ -36,11 +31,11 @@ def preflight(cfg, run_dir: Path, world: int) -> None:
     if cfg.data.val_fraction > 0:
         open_split(cfg.data, "val")
     if cfg.train.sample_tokens > 0:
-        from trainer.data.tokenizer import gpt2_encoding
-
         gpt2_encoding()
-    if cfg.logger == "tensorboard":
-        from trainer.tensorboard import require_tensorboard
+    require_tracker(cfg.logger)
 
-        require_tensorboard()
+
+def preflight(cfg, run_dir: Path, world: int) -> None:
+    """Every check, then the resolved config recorded in the run directory."""
+    check_run(cfg, run_dir, world)
     write_config_record(run_dir, to_dict(cfg))

@@ -212,9 +212,9 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         "examples_per_s": round(result.n / wall, 3) if wall > 0 else None,
     }
     if rt.is_main:
-        from trainer.sweep import write_text_atomic
+        from trainer.io import write_atomic
 
-        write_text_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+        write_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
         _print_result(record, run_dir / RESULT_FILE)
     return record
 

@@ -63,7 +63,7 @@ def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
 
 
 def cmd_plan(argv: list[str]) -> None:
-    from trainer.cli import compose
+    from trainer.compose import compose
     from trainer.config import requested_world, validate
 
     overrides, memory = _parse(argv)

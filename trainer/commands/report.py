@@ -21,7 +21,7 @@ from typing import Any
 
 from trainer.errors import UserError
 from trainer.metrics import METRICS_FILE, read_metrics
-from trainer.sweep import (
+from trainer.results import (
     STATUS_FILE,
     finite_or_none,
     labels,
@@ -97,8 +97,7 @@ def load_run(path: Path, name: str) -> RunData:
     records = read_metrics(path / METRICS_FILE)
     overrides = read_overrides(path)
     status = read_status(path) if (path / STATUS_FILE).exists() else None
-    figures = run_figures(path)
-    finished = figures.pop("finished")
+    finished, figures = run_figures(path, records)
     if status is not None:  # a sweep point: its own record (status, wall time, error)
         record = {**figures, **{k: v for k, v in status.items() if v is not None or k not in figures}}
         overrides = overrides or list(status.get("overrides", []))

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainer.errors import ConfigError
 from trainer.model import GPT
 from trainer.optim import build_adamw
 from trainer.runtime import Runtime
@@ -31,9 +32,26 @@ class Strategy:
     shards_optimizer_state = False  # each rank holds a part of the optimizer state
 
     def __init__(self, parallel_cfg, train_cfg, runtime: Runtime):
+        self.check_world(runtime.world)
         self.cfg = parallel_cfg
         self.train_cfg = train_cfg
         self.rt = runtime
+
+    @classmethod
+    def check_world(cls, world: int) -> None:
+        """Refuse a worker count this mode cannot run on (one line, before anything starts)."""
+        if cls.one_process_many_devices and world > 1:
+            raise ConfigError(
+                f"parallel={cls.name} drives every GPU from one process and cannot run under a multi-process "
+                f"launch; use parallel=ddp for several workers, or world=1 with parallel={cls.name}"
+            )
+
+    @classmethod
+    def world_advice(cls, world: int) -> str | None:
+        """A word for a worker count that runs but misses the mode's point (None when it fits)."""
+        if (cls.shards_parameters or cls.shards_optimizer_state) and world == 1:
+            return f"parallel={cls.name} with world=1 shards nothing; it runs, but use world>1 for its memory savings"
+        return None
 
     # --- model and optimizer -------------------------------------------------------------
     def wrap(self, model: GPT) -> nn.Module:

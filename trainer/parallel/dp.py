@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 from rich.console import Console
 
-from trainer.errors import ConfigError
 from trainer.parallel.base import Strategy
 
 
@@ -16,11 +15,6 @@ class DataParallelStrategy(Strategy):
 
     def __init__(self, parallel_cfg, train_cfg, runtime):
         super().__init__(parallel_cfg, train_cfg, runtime)
-        if runtime.world > 1:
-            raise ConfigError(
-                f"parallel=dp runs in one process but {runtime.world} workers were launched; "
-                "use parallel=ddp for several processes, or world=1 with parallel=dp"
-            )
         self.n_devices = torch.cuda.device_count() if runtime.device.type == "cuda" else 0
 
     def wrap(self, model):

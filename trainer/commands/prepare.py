@@ -1,0 +1,21 @@
+"""`dtrain prepare data=NAME [data.source=...] [--force]`: tokenize a dataset into token shards."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from trainer.args import ArgParser
+from trainer.compose import compose
+from trainer.data.prepare import prepare
+
+
+def cmd_prepare(argv: list[str]) -> None:
+    parser = ArgParser(prog="dtrain prepare",
+                       description="Tokenize a dataset into uint16 token shards and a manifest.")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. data=tinyshakespeare data.source=input.txt")
+    parser.add_argument("--force", action="store_true", help="prepare again even when already prepared")
+    args = parser.parse_args(argv)
+    cfg = compose(args.overrides)
+    manifest = prepare(cfg.data, force=args.force)
+    Console().print(f"[green]prepared[/] {cfg.data.name}: {manifest}")

@@ -1,0 +1,140 @@
+"""`dtrain train [overrides]`: one run, a sweep (`-m`), or Hydra's --cfg / --help.
+
+A single run composes its config once, checks everything (config, run directory, data, tokenizer,
+the mode's worker count) and only then lets Hydra's own `run_job` make the run directory and its
+`.hydra/` record and call `train_job`. A sweep checks every point the same way first, then runs
+through `hydra.main` (its sweeper and launcher plugins); `trainer.sweep` keeps each point's status.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import hydra
+from hydra._internal.callbacks import Callbacks
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import run_job
+from hydra.types import HydraContext, RunMode
+from omegaconf import open_dict, read_write
+from rich.console import Console
+
+from trainer.compose import CONFIG_NAME, compose, compose_run, is_informational, split_args, sweep_points
+from trainer.config import CONF_DIR, register_configs, requested_world, to_dict, validate
+from trainer.env import is_secondary_rank, under_torchrun
+from trainer.preflight import check_run, preflight
+from trainer.rundir import write_config_record
+from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
+
+# Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
+# broadcast when the process group is up. The other ranks run Hydra in a scratch folder, silently.
+SECONDARY_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disabled",
+                            "hydra/hydra_logging=disabled")
+
+
+def cmd_train(args: list[str]) -> None:
+    if is_informational(args):
+        _hydra_main(args)  # Hydra prints the help or the config; nothing runs
+        return
+    with plugin_hint():
+        overrides, multirun = split_args(args)
+        if multirun:
+            _sweep(args, overrides)
+        else:
+            _single_run(overrides)
+
+
+def _single_run(overrides: list[str]) -> None:
+    if is_secondary_rank():
+        overrides = [*overrides, f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
+    hydra_app, cfg = compose_run(overrides)
+    job_cfg = _without_hydra(cfg)
+    validate(job_cfg)
+    world = requested_world(job_cfg)
+    if not under_torchrun():  # under torchrun, rank 0 checks inside the worker and tells the others
+        check_run(job_cfg, Path(cfg.hydra.run.dir).absolute(), world)
+        check_mode(job_cfg, world)
+    context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
+    # Hydra's run_job makes the run directory, writes .hydra/ and dtrain.log, then calls train_job;
+    # a failure inside comes back in the job's return value.
+    job = run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                  hydra_context=context)
+    _ = job.return_value  # raises the exception the run ended with
+
+
+def _sweep(args: list[str], overrides: list[str]) -> None:
+    for point in sweep_points(overrides):
+        cfg = compose(point)
+        validate(cfg)
+        check_mode(cfg, requested_world(cfg))
+    args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
+    try:
+        _hydra_main(args)
+    finally:
+        if sweep_dir is not None:  # the sweep's table, also when a point failed or it was interrupted
+            finish_sweep(sweep_dir)
+
+
+def _hydra_main(args: list[str]) -> None:
+    register_configs()
+    sys.argv = ["dtrain", *args]
+    hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")(train_job)()
+
+
+def _without_hydra(cfg):
+    """The composed config without its `hydra` section: what the run itself reads."""
+    job = copy.deepcopy(cfg)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return job
+
+
+def _scratch_dir() -> str:
+    scratch = tempfile.mkdtemp(prefix="dtrain-rank")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+def check_mode(cfg, world: int) -> None:
+    """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
+    # trainer.parallel imports torch: only once the checks that need no torch have passed
+    from trainer.parallel import strategy_class
+
+    strategy = strategy_class(cfg.parallel.mode)
+    strategy.check_world(world)
+    advice = strategy.world_advice(world)
+    if advice:
+        Console(stderr=True).print(f"[yellow]{advice}[/]")
+
+
+def train_job(cfg) -> float:
+    """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
+        return run_point(cfg, hydra_cfg, lambda: run_training(cfg, run_dir, checked=False))
+    return run_training(cfg, run_dir, checked=True)["best_val_loss"]
+
+
+def run_training(cfg, run_dir: Path, checked: bool) -> dict:
+    """Train with cfg in run_dir on the requested workers; returns rank 0's figures. `checked`:
+    this process already ran every check (a single run checks before Hydra writes anything)."""
+    # the torch side of dtrain: imported once the checks have passed
+    from trainer.launch import run_workers
+    from trainer.worker import worker_main
+
+    world = requested_world(cfg)
+    cfg_dict = to_dict(cfg)
+    if under_torchrun():
+        return worker_main(cfg_dict, str(run_dir), preflight_done=False)
+    if checked:
+        write_config_record(run_dir, cfg_dict)
+    else:
+        preflight(cfg, run_dir, world)
+        check_mode(cfg, world)
+    return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
+

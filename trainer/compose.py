@@ -1,0 +1,113 @@
+"""Hydra composition for every command: the overrides of a command line, the points of a sweep, and
+the composed config, with Hydra's errors turned into one line. No torch here: a bad config is
+reported before torch would have finished importing."""
+
+from __future__ import annotations
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.config import CONF_DIR, register_configs
+from trainer.errors import UserError
+
+CONFIG_NAME = "config"
+JOB_NAME = "dtrain"
+# Hydra's own command-line flags, passed through untouched (the rest are key=value overrides).
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                          "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+HYDRA_FLAGS = {"--multirun", "-m", "--resolve", "--help", "-h", "--hydra-help", "--version",
+               "--shell-completion", "-sc"}
+# Flags that only print something (help, the config): nothing is checked or run.
+INFORMATIONAL_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c",
+                       "--shell-completion", "-sc")
+
+
+def split_args(args: list[str]) -> tuple[list[str], bool]:
+    """The key=value overrides among args, and whether this is a multirun (-m)."""
+    overrides, multirun, skip = [], False, False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in HYDRA_FLAGS_WITH_VALUE:
+            skip = True
+        elif arg.split("=", 1)[0] in HYDRA_FLAGS_WITH_VALUE:
+            pass
+        elif arg in HYDRA_FLAGS:
+            multirun = multirun or arg in ("-m", "--multirun")
+        elif arg.startswith("-"):
+            raise UserError(f"unknown flag {arg!r}; dtrain train takes key=value overrides and Hydra's flags")
+        else:
+            overrides.append(arg)
+    return overrides, multirun
+
+
+def is_informational(args: list[str]) -> bool:
+    return any(a in INFORMATIONAL_FLAGS or a.split("=", 1)[0] in ("--cfg", "-c", "--info") for a in args)
+
+
+def hydra_error_text(err: Exception) -> str:
+    """Hydra's multi-line errors as one line (its list of available options included)."""
+    text = str(err)
+    if "Available options in" in text:
+        head, options = text.split("Available options in", 1)
+        names = [w.strip() for w in options.split("\n")[1:] if w.strip()]
+        return f"{head.strip().splitlines()[-1]}; available: {', '.join(names)}"
+    parts = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0])
+    return "; ".join(dict.fromkeys(parts))
+
+
+def _user_error(err: Exception) -> Exception:
+    """Hydra's and OmegaConf's errors are the user's config: a UserError; anything else stays."""
+    if isinstance(err, (OmegaConfBaseException, ValueError)):
+        return UserError(f"bad config: {hydra_error_text(err)}; see `dtrain train --cfg job`")
+    if type(err).__module__.startswith("hydra"):
+        return UserError(f"bad config: {hydra_error_text(err)}; see `dtrain train --help`")
+    return err
+
+
+def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """The config `dtrain train` would compose for these overrides (for prepare, plan, checks)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=JOB_NAME):
+            return hydra_compose(CONFIG_NAME, overrides=overrides, return_hydra_config=return_hydra_config)
+    except Exception as err:
+        raise _user_error(err) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
+    """Hydra, set up as `hydra.main` sets it up, and the one composed config of a single run
+    (the hydra section included), ready for Hydra's own run_job."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(JOB_NAME, create_config_search_path(str(CONF_DIR)))
+    try:
+        cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=True)
+    except Exception as err:
+        raise _user_error(err) from None
+    cfg.hydra.mode = RunMode.RUN
+    return hydra, cfg
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:
+        raise UserError(f"bad override: {hydra_error_text(err)}") from None
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [point for batch in batches for point in batch]

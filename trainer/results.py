@@ -1,0 +1,145 @@
+"""What runs and sweeps achieved: the figures a run's metrics.jsonl holds, the status files of a
+sweep's points, and the results table that sweeps and `dtrain report` print."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from trainer.metrics import METRICS_FILE, read_metrics
+
+STATUS_FILE = "status.json"
+# Overrides that steer the sweep itself (or Hydra) and do not change what a point trains.
+NOT_IDENTITY = ("sweep.", "hydra.", "hydra/")
+
+
+def finite_or_none(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
+    """What a run's metrics.jsonl (or its already read `records`) says: whether the run finished,
+    and its final train loss, best val loss, last HellaSwag acc_norm, tokens/s, wall time, steps
+    and tokens (None where not recorded)."""
+    if records is None:
+        records = read_metrics(run_dir / METRICS_FILE)
+    summary = next((r["summary"] for r in reversed(records) if isinstance(r.get("summary"), dict)), None)
+    train = [r for r in records if "loss" in r]
+    vals = [r["val_loss"] for r in records if finite_or_none(r.get("val_loss")) is not None]
+    hellaswag = [r["hellaswag_acc_norm"] for r in records if finite_or_none(r.get("hellaswag_acc_norm")) is not None]
+    figures: dict[str, Any] = {
+        "steps": max((r.get("step", 0) for r in records), default=0),
+        "tokens": max((r.get("tokens", 0) for r in records), default=0),
+        "final_loss": finite_or_none(train[-1]["loss"]) if train else None,
+        "best_val_loss": min(vals) if vals else None,
+        "hellaswag_acc_norm": hellaswag[-1] if hellaswag else None,
+        "tokens_per_s": None,
+        "wall_s": None,
+    }
+    if summary is not None:
+        for key in ("final_loss", "best_val_loss", "tokens_per_s", "wall_s", "steps", "tokens"):
+            if finite_or_none(summary.get(key)) is not None:
+                figures[key] = summary[key]
+    elif train:
+        rates = [r["tokens_per_s"] for r in train if finite_or_none(r.get("tokens_per_s")) is not None]
+        figures["tokens_per_s"] = sum(rates) / len(rates) if rates else None
+    return summary is not None, figures
+
+
+def read_status(point_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((point_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    """The sweep's point folders (those with a status file or a metrics.jsonl), by job number."""
+    if not sweep_dir.is_dir():
+        return []
+    found = [p for p in sweep_dir.iterdir()
+             if p.is_dir() and ((p / STATUS_FILE).exists() or (p / METRICS_FILE).exists())]
+    return sorted(found, key=lambda p: (0, int(p.name)) if p.name.isdigit() else (1, p.name))
+
+
+def read_overrides(run_dir: Path) -> list[str]:
+    """A run's command-line overrides, from Hydra's .hydra/overrides.yaml (empty when absent)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    try:
+        return [str(o) for o in OmegaConf.load(path)]
+    except Exception:
+        return []
+
+
+def short_override(override: str) -> str:
+    """`optim.lr=0.0007518878431841926` -> `optim.lr=0.0007519` (for labels; files keep the exact value)."""
+    key, sep, value = override.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        return override
+    digits = sum(c.isdigit() for c in value.lstrip("+-0.").split("e")[0].split("E")[0])
+    return f"{key}{sep}{number:.4g}" if sep and digits > 6 and math.isfinite(number) else override
+
+
+def labels(overrides_per_run: list[list[str]], fallback: list[str]) -> tuple[list[str], list[str]]:
+    """A short label per run (the overrides that differ between runs) and the shared overrides."""
+    sets = [set(o) for o in overrides_per_run]
+    common = set.intersection(*sets) if sets else set()
+    out = []
+    for overrides, name in zip(overrides_per_run, fallback):
+        varying = [short_override(o) for o in overrides if o not in common and not o.startswith(NOT_IDENTITY)]
+        out.append(" ".join(varying) if varying else name)
+    shared = [o for o in overrides_per_run[0] if o in common] if overrides_per_run else []
+    return out, shared
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+STATUS_STYLE = {"ok": "green", "failed": "bold red", "skipped": "yellow", "running": "yellow",
+                "interrupted": "yellow", "unfinished": "yellow"}
+
+
+def results_table(records: list[dict[str, Any]], title: str) -> Table:
+    """One row per run/point: overrides, status, final train loss, best val loss, HellaSwag, tok/s, wall."""
+    names = [Path(r.get("run_dir", "?")).name for r in records]
+    row_labels, shared = labels([r.get("overrides") or [] for r in records], names)
+    caption = f"overrides of every row: {' '.join(shared)}" if shared else None
+    table = Table(title=title, caption=caption, caption_justify="left")
+    columns = (("#", "right"), ("overrides", "left"), ("status", "left"), ("train loss", "right"),
+               ("best val", "right"), ("HellaSwag", "right"), ("tok/s", "right"), ("wall", "right"))
+    for name, justify in columns:
+        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("overrides", "status"))
+    for record, label, name in zip(records, row_labels, names):
+        status = record.get("status", "?")
+        style = STATUS_STYLE.get(status, "")
+        table.add_row(
+            str(record["num"]) if record.get("num") is not None else name,
+            label.replace(" ", "\n") if label != name else "-",  # one override a line
+            f"[{style}]{status}[/]" if style else status,
+            _fmt(record.get("final_loss"), ".4f"),
+            _fmt(record.get("best_val_loss"), ".4f"),
+            _fmt(record.get("hellaswag_acc_norm"), ".4f"),
+            _fmt(record.get("tokens_per_s"), ",.0f"),
+            "-" if record.get("wall_s") is None else f"{record['wall_s']:.1f} s",
+        )
+    return table
+
+
+def table_console() -> Console:
+    """A console for result tables: the terminal's width, or 140 columns when output goes to a
+    file or a pipe (rich's default of 80 folds the overrides column)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
