@@ -1,0 +1,72 @@
+"""The argv front of the `dtrain` subcommands (eval, sample, export, report, plan).
+
+An argparse parser whose mistakes are one line naming the problem and the usage (a UserError: the
+CLI prints it and exits with code 2), and the value parsers the commands share. Standard library
+only, so any command can import it before anything heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from trainer.errors import UserError
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for one `dtrain` command: `--help` prints the usage and the command's description
+    (exit 0); a wrong flag, a missing argument or a bad value raises UserError in one line.
+
+    Positionals and flags may come in any order (`dtrain plan model=tiny --device-memory 8GiB
+    world=2`), so a command can take `key=value` overrides as a positional with nargs="*".
+    """
+
+    def __init__(self, prog: str, description: str, usage: str | None = None):
+        super().__init__(prog=prog, description=description, usage=usage,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def usage_line(self) -> str:
+        """The usage on one line, without the `usage:` prefix."""
+        return " ".join(self.format_usage().split()).removeprefix("usage: ")
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog}: {message}; usage: {self.usage_line()}")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
+        # Intermixed: plain argparse stops filling a nargs="*" positional at the first flag, so
+        # overrides after a flag would be "unrecognized".
+        parsed, extras = self.parse_known_intermixed_args(args, namespace)
+        if extras:
+            extra = extras[0]
+            if extra.startswith("-"):
+                self.error(f"unknown flag {extra!r}")
+            self.error(f"unexpected argument {extra!r}")
+        return parsed
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number, 0 or more (a checkpoint step, --top-k)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a whole number)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (0 or more)")
+    return value
+
+
+def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]:
+    """A parser for values of `kind` (int, float) above 0."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (must be > 0)")
+        return value
+
+    return parse
+
