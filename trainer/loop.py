@@ -12,6 +12,7 @@ import torch
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split
+from trainer.generate import generate_text
 from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
 from trainer.model import build_model
@@ -131,17 +132,10 @@ class Run:
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, seed: int) -> str:
         """Generate on every rank in lockstep (FSDP forwards need all ranks); rank 0 prints."""
-        from trainer.data.tokenizer import gpt2_encoding
-
-        enc = gpt2_encoding()
         model = self.strategy.inference_model(self.model)
         model.eval()
-        ids = enc.encode_ordinary(prompt) or [enc.eot_token]
-        idx = torch.tensor([ids], dtype=torch.long, device=self.rt.device)
-        gen = torch.Generator(device=self.rt.device).manual_seed(seed)
-        with self.strategy.autocast():
-            out = model.generate(idx, max_new_tokens, generator=gen)
-        return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
+        return generate_text(model, prompt, max_new_tokens, device=self.rt.device, seed=seed,
+                             autocast=self.strategy.autocast)
 
 
 def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:

@@ -17,24 +17,35 @@ train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hell
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from trainer.args import ArgParser
 from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
-from trainer.errors import CheckpointError, ConfigError, UserError
+from trainer.env import under_torchrun
+from trainer.errors import CheckpointError, ConfigError
+from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
+from trainer.io import write_atomic
+from trainer.launch import run_workers
+from trainer.metrics import summary_table
+from trainer.model import build_model
+from trainer.parallel import make_strategy, strategy_class
+from trainer.rundir import read_config_record
+from trainer.runtime import init_runtime
 
 RESULT_FILE = "eval_hellaswag.json"
-USAGE = ("usage: dtrain eval RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
-         "[eval.hellaswag.path=FILE] [key=value ...]")
 
 
 def cmd_eval(argv: list[str]) -> dict:
-    from trainer.env import under_torchrun
-
+    """Score the run's weights; a worker that crashes raises trainer.launch.WorkerFailed (its
+    report, traceback included), a user error in a worker raises UserError."""
     run_dir, cfg, weights = eval_setup(argv)
     cfg_dict = to_dict(cfg)
     world = requested_world(cfg)
@@ -42,30 +53,37 @@ def cmd_eval(argv: list[str]) -> dict:
         return eval_worker(cfg_dict, str(run_dir), weights)
     # Fetch the file once here, so a download problem is one clear line before any worker starts
     # and the workers only read it.
-    from trainer.evals.hellaswag import hellaswag_file
-
     cfg_dict["eval"]["hellaswag"]["path"] = str(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir))
-    from trainer.cli import fail
-    from trainer.launch import WorkerFailed, run_workers
+    return run_workers(eval_worker, (cfg_dict, str(run_dir), weights), cfg_dict["launch"], world,
+                       run_dir / "logs")
 
-    try:
-        return run_workers(eval_worker, (cfg_dict, str(run_dir), weights), cfg_dict["launch"], world,
-                           run_dir / "logs")
-    except WorkerFailed as err:
-        fail(str(err), code=1)
+
+def _parser() -> ArgParser:
+    parser = ArgParser(
+        prog="dtrain eval",
+        description=__doc__,
+        usage="%(prog)s RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
+              "[eval.hellaswag.path=FILE] [key=value ...]",
+    )
+    # One positional list: the run dir is the argument without "=", wherever it stands.
+    parser.add_argument("arguments", nargs="*", metavar="RUN_DIR | key=value",
+                        help="the run whose checkpoint is scored; overrides: world=N, parallel=MODE, ckpt=PATH "
+                             "or a dotted key of the run's config")
+    return parser
 
 
 def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
     """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
     weights to load (a checkpoint dir or a state_dict file)."""
-    from trainer.rundir import read_config_record
-
-    positional = [a for a in argv if "=" not in a]
-    if len(positional) != 1 or any(a.startswith("-") for a in positional):
-        raise UserError(f"dtrain eval takes one run directory; {USAGE}")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    positional = [a for a in args.arguments if "=" not in a]
+    overrides = [a for a in args.arguments if "=" in a]
+    if len(positional) != 1:
+        parser.error(f"takes one run directory (the argument without '='), got {len(positional)}")
     run_dir = Path(positional[0]).expanduser().absolute()
     if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist; {USAGE}")
+        parser.error(f"run directory {run_dir} does not exist")
     record = read_config_record(run_dir)
     # The run's own world, mode and launch settings describe training, not this evaluation.
     record["world"] = None
@@ -77,9 +95,7 @@ def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
     record.setdefault("train", {})["progress"] = True  # on a terminal; train.progress=false hides it
     ckpt = None
     dotlist = []
-    for arg in argv:
-        if "=" not in arg:
-            continue
+    for arg in overrides:
         key, value = arg.split("=", 1)
         if key == "ckpt":
             ckpt = value
@@ -92,12 +108,13 @@ def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
         world = requested_world(cfg)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"bad override: {' '.join(str(err).split()[:40])}; {USAGE}") from None
+        message = " ".join(str(err).split()[:40])
+        raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
         raise ConfigError(f"parallel={mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
-    if mode == "dp" and world > 1:
-        raise ConfigError(f"parallel=dp runs in one process; use parallel=none or ddp with world={world}")
+    if strategy_class(mode).one_process_many_devices and world > 1:
+        raise ConfigError(f"parallel={mode} runs in one process; use parallel=none or ddp with world={world}")
     if world < 1 or world % cfg.launch.nnodes:
         raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
     return run_dir, cfg, _weights_path(run_dir, ckpt)
@@ -145,9 +162,6 @@ def load_weights(model, weights: str) -> None:
 def eval_worker(cfg_dict: dict, run_dir: str, weights: str) -> dict:
     """One worker of `dtrain eval` (module level: torchrun's engine spawns it); rank 0's dict is the
     result."""
-    from trainer.parallel import strategy_class
-    from trainer.runtime import init_runtime
-
     cfg = from_dict(cfg_dict)
     rt = init_runtime(
         cfg.train.device,
@@ -168,10 +182,6 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
     down: a DDP model freed after destroy_process_group can deadlock in gloo's destructor (its
     worker thread waits for the GIL that the freeing thread holds; seen at world 4).
     """
-    from trainer.evals.hellaswag import HellaSwagEval
-    from trainer.model import build_model
-    from trainer.parallel import make_strategy
-
     model = strategy = None
     try:
         torch.manual_seed(cfg.train.seed)
@@ -212,8 +222,6 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         "examples_per_s": round(result.n / wall, 3) if wall > 0 else None,
     }
     if rt.is_main:
-        from trainer.io import write_atomic
-
         write_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
         _print_result(record, run_dir / RESULT_FILE)
     return record
@@ -227,8 +235,6 @@ def _checkpoint_step(weights: str) -> int | None:
 
 class _Bar:
     def __init__(self, total: int, description: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), transient=True)
         self.task = self.progress.add_task("hellaswag", total=total)
@@ -242,8 +248,6 @@ class _Bar:
 
 
 def _progress_bar(enabled: bool, hellaswag) -> _Bar | None:
-    import sys
-
     if not enabled or not sys.stdout.isatty():
         return None
     shard = "" if hellaswag.world == 1 else f" (rank 0's share of {hellaswag.n_total:,})"
@@ -251,10 +255,6 @@ def _progress_bar(enabled: bool, hellaswag) -> _Bar | None:
 
 
 def _print_result(record: dict, path: Path) -> None:
-    from rich.console import Console
-
-    from trainer.metrics import summary_table
-
     n = record["hellaswag_n"]
     rows = {
         "acc_norm": f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_correct_norm']:,}/{n:,})",

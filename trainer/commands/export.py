@@ -14,35 +14,19 @@ they are transposed here; padded vocabulary rows are dropped; the tied lm_head i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from trainer.args import ArgParser, non_negative_int
+from trainer.checkpoint import model_from_run
+from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one clear line (UserError: the CLI prints it, exit code 2)."""
-
-    def error(self, message: str):
-        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
-        raise UserError(f"{self.prog}: {message}; usage: {usage}")
-
-
-def parse_step(text: str) -> int:
-    try:
-        step = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid step {text!r} (a whole number)") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"invalid step {text!r} (0 or more)")
-    return step
 
 
 def hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -73,8 +57,6 @@ def hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.
 
 def hf_config(model, dtype: str = "float32") -> dict:
     """config.json of the equivalent transformers GPT2LMHeadModel."""
-    from trainer.data.tokenizer import EOT
-
     c = model.config
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -104,14 +86,12 @@ def hf_config(model, dtype: str = "float32") -> dict:
 def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32") -> Path:
     """Write out/model.safetensors and out/config.json from a run's checkpoint; returns out."""
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # the optional extra dtrain[export]: checked when used
     except ImportError:
         raise UserError(
             "dtrain export needs the safetensors package: pip install 'dtrain[export]' "
             "(or pip install safetensors)"
         ) from None
-    from trainer.checkpoint import model_from_run
-
     model, cfg = model_from_run(run_dir, step=step)
     out.mkdir(parents=True, exist_ok=True)
     tensors = hf_state_dict(model, DTYPES[dtype])
@@ -126,10 +106,12 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
 
 
 def cmd_export(argv: list[str]) -> None:
-    parser = ArgParser(prog="dtrain export", description="Export a run's checkpoint as a Hugging Face GPT-2.")
-    parser.add_argument("run_dir", help="a run directory (its newest checkpoint) or a checkpoint folder")
-    parser.add_argument("--out", help="output folder (default: RUN_DIR/export)")
-    parser.add_argument("--step", type=parse_step, help="the checkpoint at this step (default: newest)")
+    parser = ArgParser(prog="dtrain export", description=__doc__)
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run directory (its newest checkpoint) or a checkpoint folder")
+    parser.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/export)")
+    parser.add_argument("--step", metavar="N", type=non_negative_int,
+                        help="the checkpoint at this step (default: newest)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="weights dtype (default float32)")
     args = parser.parse_args(argv)

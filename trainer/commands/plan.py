@@ -9,46 +9,37 @@ the machine's RAM shared by the workers of one node.
 
 from __future__ import annotations
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainer.config import PARALLEL_MODES
+from trainer.args import ArgParser
+from trainer.compose import compose
+from trainer.config import PARALLEL_MODES, requested_world, validate
 from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
 
-USAGE = "usage: dtrain plan [key=value overrides ...] [--device-memory SIZE, e.g. 80GiB]"
+_SIZE_MISSING = object()  # --device-memory given without a size
 
 
 def _parse(argv: list[str]) -> tuple[list[str], int | None]:
-    overrides, memory = [], None
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(__doc__.strip() + "\n\n" + USAGE)
-            raise SystemExit(0)
-        if arg == "--device-memory":
-            if i + 1 >= len(argv):
-                raise UserError(f"--device-memory needs a size, e.g. --device-memory 80GiB; {USAGE}")
-            memory = parse_size(argv[i + 1])
-            i += 2
-            continue
-        if arg.startswith("--device-memory="):
-            memory = parse_size(arg.split("=", 1)[1])
-        elif arg.startswith("-"):
-            raise UserError(f"unknown flag {arg!r}; {USAGE}")
-        elif "=" not in arg:
-            raise UserError(f"expected a key=value override, got {arg!r}; {USAGE}")
-        else:
-            overrides.append(arg)
-        i += 1
-    return overrides, memory
+    parser = ArgParser(prog="dtrain plan", description=__doc__,
+                       usage="%(prog)s [key=value overrides ...] [--device-memory SIZE, e.g. 80GiB]")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides, as for dtrain train")
+    # nargs="?": a missing size is this command's own message, not argparse's "expected one argument"
+    parser.add_argument("--device-memory", nargs="?", const=_SIZE_MISSING, type=parse_size, metavar="SIZE",
+                        help="memory budget per rank, e.g. 80GiB (default: the GPU's, or host RAM / workers)")
+    args = parser.parse_args(argv)
+    if args.device_memory is _SIZE_MISSING:
+        parser.error("--device-memory needs a size, e.g. --device-memory 80GiB")
+    for override in args.overrides:
+        if "=" not in override:
+            parser.error(f"expected a key=value override, got {override!r}")
+    return args.overrides, args.device_memory
 
 
 def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
     if device_type == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             raise UserError("no GPU is visible to read its memory from; give --device-memory, e.g. 80GiB")
         props = torch.cuda.get_device_properties(0)
@@ -63,9 +54,6 @@ def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
 
 
 def cmd_plan(argv: list[str]) -> None:
-    from trainer.compose import compose
-    from trainer.config import requested_world, validate
-
     overrides, memory = _parse(argv)
     cfg = compose(overrides)
     validate(cfg)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.args import ArgParser
 from trainer.errors import UserError
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.results import (
@@ -33,8 +34,6 @@ from trainer.results import (
     table_console,
 )
 
-USAGE = ("usage: dtrain report PATH... [--out DIR]   PATH: a run directory or a sweep directory "
-         "(whose subfolders are runs); --out: where the PNG files go (default: the single PATH)")
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
 DPI = 100
@@ -55,35 +54,24 @@ class RunData:
 
 
 def parse_args(argv: list[str]) -> tuple[list[Path], Path | None]:
-    paths: list[Path] = []
-    out = None
-    it = iter(argv)
-    for arg in it:
-        if arg in ("-h", "--help"):
-            print(USAGE)
-            raise SystemExit(0)
-        if arg in ("--out", "-o"):
-            value = next(it, None)
-            if value is None:
-                raise UserError(f"--out needs a directory; {USAGE}")
-            out = Path(value)
-        elif arg.startswith("--out="):
-            out = Path(arg.split("=", 1)[1])
-        elif arg.startswith("-"):
-            raise UserError(f"unknown flag {arg!r}; {USAGE}")
-        else:
-            paths.append(Path(arg))
-    if not paths:
-        raise UserError(f"give at least one run or sweep directory; {USAGE}")
-    if out is None and len(paths) > 1:
-        raise UserError(f"{len(paths)} paths given: choose where the figures go with --out DIR")
-    return paths, out
+    parser = ArgParser(prog="dtrain report", description=__doc__)
+    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                        help="a run directory, or a sweep directory whose subfolders are runs")
+    parser.add_argument("--out", "-o", type=Path, metavar="DIR",
+                        help="where the PNG files go (default: the single PATH)")
+    args = parser.parse_args(argv)
+    if not args.paths:
+        parser.error("give at least one run or sweep directory")
+    if args.out is None and len(args.paths) > 1:
+        raise UserError(f"{len(args.paths)} paths given: choose where the figures go with --out DIR")
+    return args.paths, args.out
 
 
 def find_runs(path: Path) -> list[Path]:
     """The run directories under PATH: PATH itself, or the points of a sweep directory."""
     if not path.is_dir():
-        raise UserError(f"{path} is not a directory; {USAGE}")
+        raise UserError(f"{path} is not a directory; give a run directory (it holds {METRICS_FILE}) "
+                        "or a sweep directory (its subfolders are runs)")
     if (path / METRICS_FILE).exists():
         return [path]
     points = point_dirs(path)
@@ -134,7 +122,7 @@ def _short(label: str, width: int = 70) -> str:
 
 class Plotter:
     def __init__(self, runs: list[RunData], shared: list[str], out: Path):
-        import matplotlib
+        import matplotlib  # the optional extra dtrain[plot]: imported only to draw
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -207,7 +195,7 @@ class Plotter:
 def cmd_report(argv: list[str]) -> None:
     paths, out = parse_args(argv)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (the optional extra dtrain[plot]: is it installed?)
     except ImportError:
         raise UserError("dtrain report draws its figures with matplotlib, which is not installed: "
                         "pip install 'dtrain[plot]'") from None
