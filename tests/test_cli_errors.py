@@ -32,6 +32,7 @@ def assert_user_error(proc, *needles):
         ("train.seq_len=4096", "block_size"),
         ("optim.min_lr=1.0", "optim.min_lr"),
         ("parallel.mode=tp", "parallel.mode"),
+        ("train.dtype=float16", "bfloat16"),
     ],
 )
 def test_bad_config_is_one_line(override, needle, data_dir, tmp_path):

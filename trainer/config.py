@@ -20,7 +20,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The modes are the options of the `parallel` config group (each names its Strategy's module in
 # trainer/parallel/); read from the folder so that checking a config never imports torch.
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -105,7 +105,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = False
     activation_checkpointing: bool = False
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
@@ -243,6 +243,11 @@ def validate(cfg: DictConfig) -> None:
     m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
     if p.mode not in PARALLEL_MODES:
         raise ConfigError(f"parallel.mode={p.mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
+    if t.dtype == "float16":
+        raise ConfigError(
+            "train.dtype=float16 needs loss scaling, which dtrain does not do (small fp16 gradients "
+            "underflow to zero); use train.dtype=bfloat16 (fp32's range at half the memory) or float32"
+        )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     if cfg.world is not None and cfg.world < 1:

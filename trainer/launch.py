@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
+import socket
+import struct
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
@@ -85,13 +90,6 @@ def _rdzv_configs(launch: dict) -> dict:
 
 def _hosts_endpoint(endpoint: str) -> bool:
     """Whether the rendezvous endpoint is an address of this machine whose port is free here."""
-    import socket
-
-    from torch.distributed.elastic.rendezvous.utils import (
-        _matches_machine_hostname,
-        parse_rendezvous_endpoint,
-    )
-
     host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
     if _matches_machine_hostname(host):
         return False  # torch's own check already finds it (and falls back if the port is taken)
@@ -113,10 +111,6 @@ def _node_network(launch: dict) -> str | None:
     rendezvous endpoint is one they can reach, so it is advertised instead, and gloo is pointed
     at its interface unless GLOO_SOCKET_IFNAME is already set.
     """
-    import socket
-
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
     if launch["nnodes"] <= 1 or launch["rdzv_backend"] != "c10d":
         return None
     host, port = parse_rendezvous_endpoint(launch["rdzv_endpoint"], default_port=29400)
@@ -138,10 +132,6 @@ def _node_network(launch: dict) -> str | None:
 
 def _interface_of(address: str) -> str | None:
     """The network interface holding an IPv4 address (Linux), or None."""
-    import fcntl
-    import socket
-    import struct
-
     try:
         names = [name for _, name in socket.if_nameindex()]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -173,8 +163,6 @@ class _DropUserErrorReports:
 
 
 def _quiet_user_errors() -> None:
-    import logging
-
     names = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
     for name in names:
         logger = logging.getLogger(name)

@@ -12,6 +12,7 @@ import torch
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split
+from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
 from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
@@ -142,8 +143,6 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     """Train according to cfg; rank 0 writes metrics.jsonl and prints. Returns the run's figures."""
     hellaswag = None
     if cfg.eval.interval > 0:  # the examples are read and tokenized once per run, not per eval
-        from trainer.evals.hellaswag import HellaSwagEval
-
         hellaswag = HellaSwagEval.from_config(cfg, rt)
     run = Run(cfg, rt, run_dir)
     t = cfg.train
@@ -168,7 +167,9 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     try:
         for step in range(start_step, t.max_steps):
             loss, grad_norm, lr = run.train_step(step)
-            steps.after_step(step, loss, grad_norm, lr)
+            state.step = step + 1
+            state.tokens += run.plan.total_batch_size
+            steps.after_step(loss, grad_norm, lr)
             last = state.step == t.max_steps
             if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
                 val = run.val_loss()
@@ -228,10 +229,9 @@ class StepLog:
         self.t_window = time.perf_counter() if now is None else now
         self.tokens_window = 0
 
-    def after_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """Count the step the loop just completed; log it when due."""
         state = self.run.state
-        state.step = step + 1
-        state.tokens += self.tokens_per_step
         self.tokens_window += self.tokens_per_step
         self.trained_tokens += self.tokens_per_step
         if state.step % self.log_interval and state.step != self.max_steps and state.step != self.first_step:

@@ -109,7 +109,7 @@ class _Point:
         self.overrides = [str(o) for o in hydra_cfg.overrides.task]
         self.head = is_head_node()
 
-    def record(self, status: str, **fields: Any) -> None:
+    def record(self, status: str, fields: dict[str, Any]) -> None:
         if not self.head:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -134,12 +134,12 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
     finished, figures = run_figures(point.dir)
     if finished:
         best = figures["best_val_loss"]
-        point.record("ok", **figures, wall_s=(previous or {}).get("wall_s", figures["wall_s"]), error=None)
+        point.record("ok", {**figures, "wall_s": (previous or {}).get("wall_s", figures["wall_s"]), "error": None})
         console.print(f"[green]sweep point #{num} finished earlier[/] (best val loss "
                       f"{'-' if best is None else f'{best:.4f}'}); skipping it")
         return math.inf if best is None else float(best)
     if STATE.failed_point is not None and cfg.sweep.fail_fast:
-        point.record("skipped", error=f"not run: point #{STATE.failed_point} failed and sweep.fail_fast=true")
+        point.record("skipped", {"error": f"not run: point #{STATE.failed_point} failed and sweep.fail_fast=true"})
         raise SweepPointFailed(f"sweep point #{num} not run: point #{STATE.failed_point} failed "
                                "(sweep.fail_fast=true)")
     if point.head:
@@ -147,7 +147,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
             _set_aside_previous_attempt(point.dir)
         elif previous is not None:
             console.print(f"[yellow]sweep point #{num} is unfinished; resuming it from its checkpoint[/]")
-    point.record("running", started=time.time())
+    point.record("running", {"started": time.time()})
     t0 = time.perf_counter()
     try:
         result = runner()
@@ -160,7 +160,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
             details = "" if interrupted else "\n" + "".join(traceback.format_exception(err))
             (point.dir / ERROR_FILE).write_text(message + "\n" + details)
         _, figures = run_figures(point.dir)
-        point.record("interrupted" if interrupted else "failed", **figures, wall_s=wall, error=first_line)
+        point.record("interrupted" if interrupted else "failed", {**figures, "wall_s": wall, "error": first_line})
         if not isinstance(err, Exception):
             raise
         STATE.failed_point = num if STATE.failed_point is None else STATE.failed_point
@@ -173,7 +173,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
     best = figures["best_val_loss"]
     if best is None and finite_or_none(result.get("best_val_loss")) is not None:
         best = figures["best_val_loss"] = result["best_val_loss"]
-    point.record("ok", **figures, wall_s=wall, error=None)
+    point.record("ok", {**figures, "wall_s": wall, "error": None})
     return math.inf if best is None else float(best)
 
 

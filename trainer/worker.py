@@ -7,9 +7,11 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from trainer.checkpoint import Checkpointer
 from trainer.config import from_dict
-from trainer.errors import UserError
+from trainer.loop import train
 from trainer.parallel import strategy_class
+from trainer.preflight import preflight
 from trainer.runtime import init_runtime
 
 
@@ -29,21 +31,12 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     )
     try:
         if not preflight_done:
-            problem = None
-            if rt.is_main:
-                try:
-                    from trainer.preflight import preflight
+            def prepare_run():
+                preflight(cfg, Path(run_dir), rt.world)
+                return cfg_dict, run_dir
 
-                    preflight(cfg, Path(run_dir), rt.world)
-                except UserError as err:
-                    problem = str(err)
-            cfg_dict, run_dir, problem = rt.broadcast_object((cfg_dict, run_dir, problem))
-            if problem:
-                raise UserError(problem)
+            cfg_dict, run_dir = rt.from_main(prepare_run)
             cfg = from_dict(cfg_dict)
-        from trainer.checkpoint import Checkpointer
-        from trainer.loop import train
-
         result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
         return asdict(result)
     except BaseException as err:

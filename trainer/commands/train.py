@@ -53,9 +53,10 @@ def _single_run(overrides: list[str]) -> None:
         overrides = [*overrides, f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
     hydra_app, cfg = compose_run(overrides)
     job_cfg = _without_hydra(cfg)
-    validate(job_cfg)
-    world = requested_world(job_cfg)
-    if not under_torchrun():  # under torchrun, rank 0 checks inside the worker and tells the others
+    if under_torchrun():  # rank 0 checks the run inside the worker and tells the others
+        validate(job_cfg)
+    else:
+        world = requested_world(job_cfg)
         check_run(job_cfg, Path(cfg.hydra.run.dir).absolute(), world)
         check_mode(job_cfg, world)
     context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
