@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 
 from trainer.config import batch_plan, to_dict, validate
+from trainer.parallel import strategy_class
 from trainer.rundir import check_run_dir, write_config_record
 
 
@@ -18,7 +19,8 @@ def preflight(cfg, run_dir: Path, world: int) -> None:
 
     validate(cfg)
     check_run_dir(run_dir, cfg.resume)
-    if cfg.parallel.mode in ("zero", "fsdp") and world == 1:
+    strategy = strategy_class(cfg.parallel.mode)
+    if world == 1 and (strategy.shards_parameters or strategy.shards_optimizer_state):
         Console(stderr=True).print(
             f"[yellow]parallel={cfg.parallel.mode} with world=1 shards nothing; it runs, but use world>1 "
             "for its memory savings[/]"
