@@ -33,8 +33,10 @@ def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
         raw = run.strategy.unwrap(run.model)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in raw.named_parameters()}
         digest = hashlib.sha256(b"".join(full[n].numpy().tobytes() for n in sorted(full))).hexdigest()
-        # ZeRO's optimizer state is its local AdamW's: this rank's rows only
-        state = [t for s in run.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        # ZeRO's optimizer state is its local AdamW's (`optim`): this rank's rows (zero) or whole
+        # parameters (zero_torch) only
+        local = getattr(run.optimizer, "optim", run.optimizer)
+        state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         return {
             "digest": digest,
             "param_bytes": _bytes(raw.parameters()),

@@ -40,6 +40,8 @@ MODES = {  # mode -> overrides; every distributed mode at world 2
     "none": (),
     "ddp": ("parallel=ddp", "world=2"),
     "zero": ("parallel=zero", "world=2", "checkpoint.async_save=true"),
+    # torch's ZeroRedundancyOptimizer: each rank saves the whole parameters it owns, by name
+    "zero_torch": ("parallel=zero_torch", "world=2"),
     "fsdp": ("parallel=fsdp", "world=2"),
 }
 _REFERENCES: dict[str, Path] = {}
@@ -170,6 +172,8 @@ def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_pa
     ("fsdp", ("parallel=fsdp", "world=4")),
     ("zero", ("parallel=zero", "world=4")),  # row-sharded optimizer state, resharded by DCP
     ("zero", ("parallel=ddp", "world=1")),
+    ("zero_torch", ("parallel=ddp", "world=1")),  # one rank reads what each owner saved
+    ("zero", ("parallel=zero_torch", "world=2")),  # row shards read whole by each parameter's owner
 ])
 def test_resume_at_another_world_size(source, target, data_dir, references, tmp_path):
     reference = references(source)

@@ -1,13 +1,18 @@
-"""After training: DDP replicas are identical; ZeRO and FSDP hold ~1/world of the state per rank."""
+"""After training: DDP replicas are identical; ZeRO and FSDP hold ~1/world of the state per rank
+(torch's ZeroRedundancyOptimizer: whole parameters, as `dtrain plan` estimates)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_workers import train_and_inspect
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.compose import compose
 from trainer.config import to_dict
+from trainer.model import GPT, GPTConfig
+from trainer.optim import param_groups
+from trainer.parallel import strategy_class
 
 
 def launch(data_dir, tmp_path, world, *overrides, steps=3):
@@ -50,3 +55,21 @@ def test_zero_shards_optimizer_state(data_dir, tmp_path, world):
     assert max(per_rank) <= full_state / world * 1.02
     assert len({r["digest"] for r in ranks}) == 1  # the gathered rows leave identical replicas
     assert ranks[0]["param_bytes"] == ranks[0]["full_param_bytes"]  # parameters stay replicated
+
+
+def test_zero_torch_gives_each_parameter_state_to_one_rank(data_dir, tmp_path):
+    # Whole parameters: the rank that gets the tied embedding holds most of the tiny model's state,
+    # exactly what the plan's estimate of the largest rank says.
+    ranks = launch(data_dir, tmp_path, 2, "parallel=zero_torch")
+    full_state = 2 * ranks[0]["full_param_bytes"]
+    per_rank = [r["optimizer_bytes"] for r in ranks]
+    assert sum(per_rank) == full_state  # every parameter's state lives on exactly one rank
+    cfg = compose(["model=tiny"])
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_cfg(cfg.model))
+    groups = [[p.shape for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
+    largest = strategy_class("zero_torch").optimizer_state_numels(groups, 2)
+    assert max(per_rank) == 2 * 4 * sum(largest)  # exp_avg + exp_avg_sq, fp32
+    assert max(per_rank) > 0.9 * full_state
+    assert len({r["digest"] for r in ranks}) == 1
+    assert ranks[0]["param_bytes"] == ranks[0]["full_param_bytes"]

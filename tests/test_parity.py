@@ -23,6 +23,7 @@ CASES = {
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
     "ddp_w4_accum2": ["parallel=ddp", "world=4", "train.micro_batch_size=1"],
     "zero_w2": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
+    "zero_torch_w2": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
     "fsdp_w2": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
 }

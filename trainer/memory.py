@@ -3,9 +3,11 @@
 What one rank holds, in bytes:
 
 * parameters, gradients and AdamW state (exp_avg + exp_avg_sq + a step counter per tensor),
-  full or sharded as the mode keeps them: ZeRO shards the optimizer state of every tensor along
-  dim 0; FSDP shards parameters, gradients and optimizer state that way (chunks of
-  ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world).
+  full or sharded as the mode keeps them. The strategy classes say how (trainer/parallel/):
+  a mode that shards parameters (FSDP) splits parameters and gradients along dim 0 in chunks of
+  ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world; each
+  mode's `optimizer_state_numels` gives what its busiest rank keeps of the optimizer state (row
+  chunks of every tensor for zero and fsdp, whole tensors for zero_torch).
 * activations of one micro batch: what forward keeps for backward per transformer block, plus
   the language-model head (logits, their log-softmax and the gradients of both), which for
   GPT-2's 50k vocabulary is often the largest single piece.
@@ -21,12 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 
 import torch
 
 from trainer.errors import UserError
+from trainer.model import GPT, GPTConfig
+from trainer.optim import param_groups
+from trainer.parallel import STRATEGIES
+from trainer.parallel.base import row_shard_numel
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
 # Most specific names first.
@@ -140,24 +145,13 @@ class Estimate:
 def _meta_model(model_cfg):
     """The model on the meta device (shapes only), built once per architecture: `dtrain plan`
     estimates every mode and searches micro batches on the same model (about 70 estimates)."""
-    from trainer.model import GPTConfig
-
     return _meta_model_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)))
 
 
 @functools.lru_cache(maxsize=8)
 def _meta_model_of(fields: tuple):
-    from trainer.model import GPT, GPTConfig
-
     with torch.device("meta"):
         return GPT(GPTConfig(*fields))
-
-
-def _shard_numel(shape: torch.Size, world: int) -> int:
-    """FSDP2 and ZeRO shard dim 0 in chunks of ceil(dim0 / world) rows: the largest local shard."""
-    if len(shape) == 0:
-        return 1
-    return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
 def device_type_of(cfg) -> str:
@@ -169,10 +163,9 @@ def device_type_of(cfg) -> str:
 
 def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | None = None) -> Estimate:
     """Per-rank memory of a training step of `cfg`'s model in `mode` at `world` ranks (worst rank)."""
-    from trainer.config import PARALLEL_MODES
-
-    if mode not in PARALLEL_MODES:
-        raise UserError(f"unknown parallel mode {mode!r}; choose from {', '.join(PARALLEL_MODES)}")
+    strategy = STRATEGIES.get(mode)
+    if strategy is None:
+        raise UserError(f"unknown parallel mode {mode!r}; choose from {', '.join(sorted(STRATEGIES))}")
     if world < 1:
         raise UserError(f"world={world} must be at least 1")
     if micro_batch < 1:
@@ -183,14 +176,13 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     params = list(model.parameters())  # the tied embedding once
     n_total = sum(p.numel() for p in params)
     fp32 = 4  # parameters, gradients and AdamW state stay fp32 (autocast computes in bf16)
-    step_bytes = 4 * len(params)  # AdamW's step counter per tensor
     if t.dtype == "auto":
         act = 2 if device_type == "cuda" else 4
     else:
         act = {"float32": 4, "bfloat16": 2, "float16": 2}[t.dtype]
-    if mode == "fsdp" and (cfg.parallel.mixed_precision == "bf16" or
-                           (cfg.parallel.mixed_precision == "auto" and device_type == "cuda")):
-        act = 2
+    cast = strategy.parameter_compute_dtype(cfg.parallel, device_type)
+    if cast is not None:
+        act = cast.itemsize  # the mode's own mixed precision computes in that dtype
 
     # --- activations of one micro batch ------------------------------------------------------
     C, L, V = m.n_embd, m.n_layer, model.config.padded_vocab_size
@@ -205,12 +197,16 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     activations = int(blocks + head)
 
     # --- model state per rank -------------------------------------------------------------------
+    # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
+    # counter per tensor.
+    groups = [[p.shape for p in group["params"]] for group in param_groups(model, cfg.optim.weight_decay)]
+    held = strategy.optimizer_state_numels(groups, world)
+    o_b = 2 * sum(held) * fp32 + 4 * len(held)
     gathered = 0
-    if mode == "fsdp":
-        shard = sum(_shard_numel(p.shape, world) for p in params)
+    if strategy.shards_parameters:
+        shard = sum(row_shard_numel(p.shape, world) for p in params)
         p_b = g_b = shard * fp32
-        o_b = 2 * shard * fp32 + step_bytes
-        largest = max(_shard_numel(p.shape, world) for p in params)
+        largest = max(row_shard_numel(p.shape, world) for p in params)
         if world > 1:
             # The root unit (the tied embedding, positions, final LayerNorm) is gathered at
             # backward's start: all-gather buffer + unsharded parameters, then its unsharded
@@ -218,18 +214,13 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
             per_block = sum(p.numel() for p in model.transformer.h[0].parameters()) if L else 0
             root = n_total - per_block * L
             gathered = (4 * root + 2 * per_block) * (2 if act == 2 else 4)
-        grads_persist = False
     else:
         p_b = g_b = n_total * fp32
-        o_b = 2 * n_total * fp32 + step_bytes
         largest = max(p.numel() for p in params)
-        if mode == "zero" and world > 1:
-            o_b = 2 * sum(_shard_numel(p.shape, world) for p in params) * fp32 + step_bytes
-        grads_persist = mode in ("ddp", "zero")  # gradient_as_bucket_view: grads live in the buckets
     temporaries = 2 * largest * fp32  # AdamW's sqrt(v) and its scaled copy, one tensor at a time
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
-                    grads_persist)
+                    strategy.keeps_gradient_buckets)
 
 
 def largest_micro_batch(cfg, mode: str, world: int, device_memory: int, limit: int = 1 << 16) -> int:

@@ -9,15 +9,19 @@ the machine's RAM shared by the workers of one node.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from trainer.args import ArgParser
 from trainer.compose import compose
-from trainer.config import PARALLEL_MODES, requested_world, validate
+from trainer.config import requested_world, validate
 from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
+from trainer.parallel import STRATEGIES
+from trainer.parallel.base import Strategy
 
 _SIZE_MISSING = object()  # --device-memory given without a size
 
@@ -53,6 +57,18 @@ def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
     return share, f"host RAM / {workers_per_node} worker(s) per node"
 
 
+def _least_to_most_sharded(strategy: type[Strategy]) -> tuple:
+    """Table order: one process, replicas, sharded optimizer state, sharded parameters."""
+    return (strategy.shards_parameters, strategy.shards_optimizer_state, strategy.syncs_replicas,
+            strategy.one_process_many_devices, strategy.name)
+
+
+def _summary(strategy: type[Strategy]) -> str:
+    """The first line of the mode's module doc ("parallel=zero: DDP plus ZeRO stage 1 (...)")."""
+    doc = (sys.modules[strategy.__module__].__doc__ or strategy.name).strip().splitlines()[0]
+    return doc.removeprefix("parallel=")
+
+
 def cmd_plan(argv: list[str]) -> None:
     overrides, memory = _parse(argv)
     cfg = compose(overrides)
@@ -73,14 +89,16 @@ def cmd_plan(argv: list[str]) -> None:
     for col in ("mode", "world", "params", "grads", "optimizer", "activations", "other", "peak", "fits",
                 "max micro batch"):
         table.add_column(col, justify="left" if col == "mode" else "right")
-    for mode in PARALLEL_MODES:
-        w = 1 if mode in ("none", "dp") else world
-        est = estimate(cfg, mode, w, B, device_type)
+    strategies = sorted(STRATEGIES.values(), key=_least_to_most_sharded)
+    for strategy in strategies:
+        w = world if strategy.syncs_replicas else 1  # the other modes run one process
+        est = estimate(cfg, strategy.name, w, B, device_type)
         other = est.gathered + est.runtime + (est.temporaries if est.step_peak > est.backward_peak else 0)
         fits = est.total <= memory
-        best = largest_micro_batch(cfg, mode, w, memory)
+        best = largest_micro_batch(cfg, strategy.name, w, memory)
+        asked = strategy.name == chosen
         table.add_row(
-            ("[bold]" if mode == chosen else "") + mode + (" *" if mode == chosen else ""),
+            ("[bold]" if asked else "") + strategy.name + (" *" if asked else ""),
             str(w),
             fmt_bytes(est.params), fmt_bytes(est.grads), fmt_bytes(est.optim), fmt_bytes(est.activations),
             fmt_bytes(other), fmt_bytes(est.total),
@@ -93,7 +111,8 @@ def cmd_plan(argv: list[str]) -> None:
         "[dim]peak = the larger of backward's start (params + optimizer + activations, + gradients where "
         "they persist (DDP/ZeRO buckets), + FSDP's gathered units) and the optimizer step (params + "
         "gradients + optimizer + AdamW temporaries); other = gathered units + temporaries + the process "
-        f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}). "
-        "none/dp run one process; zero shards optimizer state by rows; "
-        "fsdp shards parameters, gradients and optimizer state. * = the mode asked for.[/]"
+        f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}); "
+        "optimizer = the rank holding the most. * = the mode asked for.[/]"
     )
+    for strategy in strategies:
+        console.print(f"[dim]  {_summary(strategy)}[/]", highlight=False)

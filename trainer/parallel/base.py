@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,23 @@ class Strategy:
     one_process_many_devices = False  # one process drives every visible device (no multi-process launch)
     shards_parameters = False  # each rank holds 1/world of the parameters and gradients
     shards_optimizer_state = False  # each rank holds a part of the optimizer state
+    # Gradients live in DDP's communication buckets (gradient_as_bucket_view), so they stay
+    # allocated between steps instead of being freed after the optimizer step.
+    keeps_gradient_buckets = False
+
+    # --- what the memory plan asks (class-level: no process group or device needed) -------------
+    @classmethod
+    def optimizer_state_numels(cls, groups: list[list[torch.Size]], world: int) -> list[int]:
+        """Elements of each tensor whose optimizer state the rank holding the most keeps at `world`
+        ranks, for parameters of these shapes in parameter groups as trainer.optim.param_groups
+        makes them (a partition by whole parameters depends on the groups and sizes)."""
+        return [math.prod(shape) for group in groups for shape in group]
+
+    @classmethod
+    def parameter_compute_dtype(cls, parallel_cfg, device_type: str) -> torch.dtype | None:
+        """The dtype this mode itself casts parameters to for forward and backward (a mixed-
+        precision policy), or None where autocast (train.dtype) decides."""
+        return None
 
     def __init__(self, parallel_cfg, train_cfg, runtime: Runtime):
         self.check_world(runtime.world)
@@ -139,6 +157,14 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = name
     return aliases
+
+
+def row_shard_numel(shape: torch.Size, world: int) -> int:
+    """Elements of the largest piece of a tensor split by rows over `world` ranks, as torch.chunk
+    and DTensor's Shard(0) split it (chunks of ceil(rows / world)); a 0-d tensor is one piece."""
+    if len(shape) == 0:
+        return 1
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
 def compute_dtype(spec: str, device: torch.device) -> torch.dtype:

@@ -13,6 +13,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
     needs_process_group = True
     syncs_replicas = True
+    keeps_gradient_buckets = True  # wrap() sets gradient_as_bucket_view
 
     def wrap(self, model):
         model = model.to(self.rt.device)

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
-from trainer.parallel.base import Strategy
+from trainer.parallel.base import Strategy, row_shard_numel
 
 
 class FSDPStrategy(Strategy):
@@ -20,21 +20,32 @@ class FSDPStrategy(Strategy):
     shards_parameters = True
     shards_optimizer_state = True
 
+    @classmethod
+    def optimizer_state_numels(cls, groups, world):
+        # The state follows the parameter shards: rank 0 holds the longest row chunk of each.
+        return [row_shard_numel(shape, world) for group in groups for shape in group]
+
+    @classmethod
+    def parameter_compute_dtype(cls, parallel_cfg, device_type):
+        mode = parallel_cfg.mixed_precision
+        if mode == "auto":
+            mode = "bf16" if device_type == "cuda" else "fp32"
+        if mode == "bf16":
+            return torch.bfloat16
+        if mode == "fp32":
+            return None
+        raise ConfigError(f"parallel.mixed_precision={mode!r} must be auto, bf16 or fp32")
+
     def __init__(self, parallel_cfg, train_cfg, runtime):
         super().__init__(parallel_cfg, train_cfg, runtime)
         self.mp_policy = self._mixed_precision()
 
     def _mixed_precision(self) -> MixedPrecisionPolicy:
-        mode = self.cfg.mixed_precision
-        on_cuda = self.rt.device.type == "cuda"
-        if mode == "auto":
-            mode = "bf16" if on_cuda else "fp32"
-        if mode == "bf16":
-            # Compute in bf16, but reduce gradients in fp32 so small updates are not lost.
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mode == "fp32":
+        dtype = self.parameter_compute_dtype(self.cfg, self.rt.device.type)
+        if dtype is None:
             return MixedPrecisionPolicy()
-        raise ConfigError(f"parallel.mixed_precision={mode!r} must be auto, bf16 or fp32")
+        # Compute in bf16, but reduce gradients in fp32 so small updates are not lost.
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def wrap(self, model):
         model = model.to(self.rt.device)

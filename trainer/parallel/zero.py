@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.optim import adamw_kwargs, param_groups
+from trainer.parallel.base import row_shard_numel
 from trainer.parallel.ddp import DDPStrategy
 
 
@@ -144,6 +145,11 @@ def _consecutive(params: list[nn.Parameter], cap_numel: int) -> list[list[nn.Par
 class ZeroStrategy(DDPStrategy):
     name = "zero"
     shards_optimizer_state = True
+
+    @classmethod
+    def optimizer_state_numels(cls, groups, world):
+        # Rank 0 holds the first, longest row chunk of every parameter.
+        return [row_shard_numel(shape, world) for group in groups for shape in group]
 
     def build_optimizer(self, model, optim_cfg):
         raw = self.unwrap(model)
