@@ -204,7 +204,7 @@ def render_table(args, rows: list[dict]) -> None:
                   f"{r['micro_batch']} x seq {r['seq_len']} per rank, {args.steps} steps"
                   + (f", median of {args.repeat} runs (range)" if args.repeat > 1 else ""))
     for col in ("mode", "world", "thr/rank", "tok/s", "step ms", "compute", "comm exp.", "optim", "data wait",
-                "peak MiB/rank", "plan est.", "params MiB", "grads MiB", "optim MiB", "optim share"):
+                "peak MiB/rank", "plan est.", "params MiB", "grads MiB", "optim MiB", "optim %"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
@@ -213,7 +213,7 @@ def render_table(args, rows: list[dict]) -> None:
             f"{ms(r['data_s'])} ({r['data_s'] / r['step_s']:.2%})",
             mib(r["peak_bytes"]) + ("" if r["peak_exact"] else "*"),
             f"{mib(r['plan_bytes'])} ({r['plan_bytes'] / max(1, r['peak_bytes']) - 1:+.0%})",
-            mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["optim_bytes"]), f"{r['optim_share']:.3f}",
+            mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["optim_bytes"]), f"{r['optim_share']:.1%}",
         )
     console.print(table)
     console.print(
@@ -224,8 +224,8 @@ def render_table(args, rows: list[dict]) -> None:
         + ("CUDA max_memory_allocated growth" if rows[0]["threads"] is None else
            "resident-set (VmHWM) growth of the worker from just before the model is built")
         + ", worst rank; plan est. = `dtrain plan`'s estimate of that peak. params/grads/optim = bytes this "
-        "rank holds (grads right after the last backward); optim share = optimizer state on the worst rank "
-        "over the full, unsharded state.[/]"
+        "rank holds (grads right after the last backward); optim % = the worst rank's optimizer state as a "
+        "share of the full, unsharded state.[/]"
     )
 
 

@@ -110,8 +110,9 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.dir)
     rows = []
-    for mode in args.modes.split(","):
-        world = args.world if strategy_class(mode).syncs_replicas else 1
+    # a mode whose workers do not train one model together (none, dp) runs one worker
+    points = [(m, args.world if strategy_class(m).syncs_replicas else 1) for m in args.modes.split(",")]
+    for mode, world in points:
         cfgs = [to_dict(compose([f"model={args.model}", f"parallel={mode}", f"world={world}", "train.device=cpu",
                                  f"checkpoint.async_save={async_save}", "checkpoint.keep=1"]))
                 for async_save in ("false", "true")]
