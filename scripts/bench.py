@@ -8,7 +8,7 @@
 
 Every configuration runs in fresh worker processes started through torchrun's engine
 (elastic_launch, c10d rendezvous on localhost:0), building the same `Run` as `dtrain train`
-(trainer/bench.py says what each column measures). `--model cpu16m` is a ~16M-parameter CPU
+(scripts/benchmarks/workers.py says what each column measures). `--model cpu16m` is a ~16M-parameter CPU
 model (4 layers, 256 wide, block 256, vocabulary padded to 50304). Without data overrides the
 benchmark trains on tiny-shakespeare when a local copy is found, else on the default dataset.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -28,10 +29,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.bare import vs_bare_worker  # noqa: E402
+from benchmarks.tokenize_speed import benchmark_tokenize  # noqa: E402
+from benchmarks.workers import bench_worker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from trainer.compose import compose  # noqa: E402
+from trainer.config import PARALLEL_MODES, to_dict, validate  # noqa: E402
+from trainer.data.prepare import is_prepared, manifest_path, prepare  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.launch import run_workers  # noqa: E402
+from trainer.memory import estimate  # noqa: E402
+from trainer.parallel import strategy_class  # noqa: E402
 
 MODEL_ALIASES = {
     # ~16M parameters: the larger CPU model of the benchmark figures (FACTS.md)
@@ -87,19 +97,14 @@ def base_overrides(args) -> list[str]:
 
 
 def compose_point(args, mode: str, world: int):
-    from trainer.compose import compose
-    from trainer.config import validate
-
     cfg = compose([*base_overrides(args), f"parallel={mode}", f"world={world}"])
     validate(cfg)
     return cfg
 
 
 def points(args) -> list[tuple[str, int]]:
-    """(mode, world) pairs: every mode at every world (none and dp only at world 1), or exactly the
-    pairs given as MODE@WORLD in --modes."""
-    from trainer.config import PARALLEL_MODES
-
+    """(mode, world) pairs: every mode at every world (a mode whose workers do not train one model
+    together, none and dp, only at world 1), or exactly the pairs given as MODE@WORLD in --modes."""
     try:
         worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
     except ValueError:
@@ -114,15 +119,12 @@ def points(args) -> list[tuple[str, int]]:
                 raise UserError(f"--modes {item!r}: the world after @ must be a positive integer")
             out.append((mode, int(at)))
         else:
-            out += [(mode, w) for w in worlds if not (mode in ("none", "dp") and w > 1)]
+            out += [(mode, w) for w in worlds if w == 1 or strategy_class(mode).syncs_replicas]
     return out
 
 
 def launch(cfg, world: int, entrypoint, extra: tuple) -> list[dict]:
     """Run entrypoint(cfg_dict, *extra) on `world` fresh workers; all ranks' figures."""
-    from trainer.config import to_dict
-    from trainer.launch import run_workers
-
     cfg_dict = to_dict(cfg)
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as run_dir:
         return run_workers(entrypoint, (cfg_dict, *extra), cfg_dict["launch"], world, Path(run_dir) / "logs",
@@ -131,8 +133,6 @@ def launch(cfg, world: int, entrypoint, extra: tuple) -> list[dict]:
 
 def prepare_data(cfg) -> None:
     """As `dtrain train` does: prepare a dataset that has no shards yet, or one set to auto_prepare."""
-    from trainer.data.prepare import is_prepared, manifest_path, prepare
-
     if not manifest_path(cfg.data).exists() or (cfg.data.auto_prepare and not is_prepared(cfg.data)):
         console.print(f"preparing dataset {cfg.data.name} ...")
         prepare(cfg.data)
@@ -148,8 +148,6 @@ def ms(s: float) -> str:
 
 # ----------------------------------------------------------------------------------- the table
 def run_table(args) -> list[dict]:
-    from trainer.bench import bench_worker
-
     rows = []
     for mode, world in points(args):
         cfg = compose_point(args, mode, world)
@@ -170,8 +168,6 @@ def run_table(args) -> list[dict]:
 
 
 def summarize(cfg, mode: str, world: int, ranks: list[dict]) -> dict:
-    from trainer.memory import estimate
-
     def mean(key):
         return sum(r[key] for r in ranks) / len(ranks)
 
@@ -189,6 +185,8 @@ def summarize(cfg, mode: str, world: int, ranks: list[dict]) -> dict:
         "peak_bytes": worst("peak_bytes"), "peak_exact": all(r["peak_exact"] for r in ranks),
         "param_bytes": worst("param_bytes"), "grad_bytes": worst("grad_bytes"),
         "optim_bytes": worst("optim_bytes"), "full_param_bytes": r0["full_param_bytes"],
+        "full_optim_bytes": worst("full_optim_bytes"),
+        "optim_share": worst("optim_bytes") / max(1, worst("full_optim_bytes")),
         "plan_bytes": est.total, "plan": est.as_dict(), "ranks": ranks,
     }
 
@@ -206,7 +204,7 @@ def render_table(args, rows: list[dict]) -> None:
                   f"{r['micro_batch']} x seq {r['seq_len']} per rank, {args.steps} steps"
                   + (f", median of {args.repeat} runs (range)" if args.repeat > 1 else ""))
     for col in ("mode", "world", "thr/rank", "tok/s", "step ms", "compute", "comm exp.", "optim", "data wait",
-                "peak MiB/rank", "plan est.", "params MiB", "grads MiB", "optim MiB"):
+                "peak MiB/rank", "plan est.", "params MiB", "grads MiB", "optim MiB", "optim %"):
         table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
@@ -215,7 +213,7 @@ def render_table(args, rows: list[dict]) -> None:
             f"{ms(r['data_s'])} ({r['data_s'] / r['step_s']:.2%})",
             mib(r["peak_bytes"]) + ("" if r["peak_exact"] else "*"),
             f"{mib(r['plan_bytes'])} ({r['plan_bytes'] / max(1, r['peak_bytes']) - 1:+.0%})",
-            mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["optim_bytes"]),
+            mib(r["param_bytes"]), mib(r["grad_bytes"]), mib(r["optim_bytes"]), f"{r['optim_share']:.1%}",
         )
     console.print(table)
     console.print(
@@ -226,33 +224,40 @@ def render_table(args, rows: list[dict]) -> None:
         + ("CUDA max_memory_allocated growth" if rows[0]["threads"] is None else
            "resident-set (VmHWM) growth of the worker from just before the model is built")
         + ", worst rank; plan est. = `dtrain plan`'s estimate of that peak. params/grads/optim = bytes this "
-        "rank holds (grads right after the last backward).[/]"
+        "rank holds (grads right after the last backward); optim % = the worst rank's optimizer state as a "
+        "share of the full, unsharded state.[/]"
     )
+
+
+def plain_single_process(mode: str) -> bool:
+    """A mode that trains in one process on one device (the baseline that scaling is measured against)."""
+    kind = strategy_class(mode)
+    return not (kind.syncs_replicas or kind.one_process_many_devices)
 
 
 def render_goals(rows: list[dict]) -> None:
     by = {(r["mode"], r["world"]): r for r in rows}
     lines = []
-    single = by.get(("none", 1))
+    single = next((r for (mode, world), r in by.items() if world == 1 and plain_single_process(mode)), None)
     for (mode, world), r in sorted(by.items()):
-        if mode == "ddp" and world > 1 and single:
+        if world == 1:
+            continue
+        kind = strategy_class(mode)
+        label = f"{mode.upper()} world {world}"
+        if kind.syncs_replicas and not (kind.shards_parameters or kind.shards_optimizer_state) and single:
             ratio = r["tokens_per_s"] / single["tokens_per_s"]
-            lines.append(f"DDP world {world} ({r['threads']} thread/rank) vs one process "
+            lines.append(f"{label} ({r['threads']} thread/rank) vs one process "
                          f"({single['threads']} threads): {ratio:.3f}x tokens/s (goal >= 0.9) "
                          f"{'ok' if ratio >= 0.9 else 'MISSED'}")
-        full_params = r["full_param_bytes"]
-        full_optim = 2 * full_params
-        if mode == "zero" and world > 1:
-            share = r["optim_bytes"] / full_optim
-            lines.append(f"ZeRO world {world}: optimizer state per rank (worst) = {share:.3f} of the full "
-                         "state "
+        if kind.shards_optimizer_state and not kind.shards_parameters:
+            share = r["optim_share"]
+            lines.append(f"{label}: optimizer state per rank (worst) = {share:.3f} of the full state "
                          f"(goal <= {1 / world:.3f} x 1.02 = {1.02 / world:.3f}) "
                          f"{'ok' if share <= 1.02 / world else 'MISSED'}")
-        if mode == "fsdp" and world > 1:
+        if kind.shards_parameters:
             held = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-            share = held / (full_params * 2 + full_optim)
-            lines.append(f"FSDP world {world}: params+grads+optimizer per rank (worst) = {share:.3f} of the "
-                         "full "
+            share = held / (r["full_param_bytes"] * 2 + r["full_optim_bytes"])
+            lines.append(f"{label}: params+grads+optimizer per rank (worst) = {share:.3f} of the full "
                          f"(goal <= {1.05 / world:.3f}) {'ok' if share <= 1.05 / world else 'MISSED'}")
     for r in rows:
         if r["step_s"] > 0 and r["data_s"] / r["step_s"] >= 0.01:
@@ -264,8 +269,6 @@ def render_goals(rows: list[dict]) -> None:
 
 # --------------------------------------------------------------------------------- vs bare loop
 def run_vs_bare(args) -> list[dict]:
-    from trainer.bench import vs_bare_worker
-
     table = Table(title=f"dtrain step vs bare PyTorch loop ({args.rounds} rounds x {args.block} steps each, "
                   "alternating in the same process)")
     for col in ("model", "mode", "world", "thr/rank", "dtrain tok/s", "bare tok/s", "ratio (median, range)"):
@@ -301,8 +304,6 @@ def tokenize_texts(megabytes: float) -> list[str]:
     if LOCAL_TINYSHAKESPEARE.exists():
         text = LOCAL_TINYSHAKESPEARE.read_text()
     else:
-        import random
-
         rng = random.Random(0)
         words = "the king hath spoken and my lord shall come to the court of rome where all cry".split()
         text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(20000))
@@ -328,8 +329,6 @@ def tokenize_texts(megabytes: float) -> list[str]:
 
 
 def run_tokenize(args) -> dict:
-    from trainer.data.prepare import benchmark_tokenize
-
     texts = tokenize_texts(args.tokenize_mb)
     benchmark_tokenize(texts[:4], args.num_proc)  # load the encoding, warm the pool path
     r = benchmark_tokenize(texts, args.num_proc)

@@ -4,11 +4,12 @@
     .venv/bin/python scripts/bench_checkpoint.py [--model gpt2_124m] [--modes none,ddp,zero,fsdp]
                                                  [--world 2] [--dir /tmp/dtrain-bench-ckpt]
 
-For each mode it builds the model and strategy on `world` gloo workers (one for `none`), gives the
-optimizer its full AdamW state with one step on zero gradients (no training), then times, with
-the real Checkpointer: a synchronous save, an async save (the stall: how long `save()` blocks the
-training thread; and the time until it is published), and a restore into a fresh model and
-optimizer. Times are rank 0's wall clock between barriers. Prints a markdown table.
+For each mode it builds the model and strategy on `world` workers (one for a mode whose workers
+do not train one model together, like `none`), started fresh through trainer.launch like every
+benchmark, gives the optimizer its full AdamW state with one step on zero gradients (no training),
+then times, with the real Checkpointer: a synchronous save, an async save (the stall: how long
+`save()` blocks the training thread; and the time until it is published), and a restore into a
+fresh model and optimizer. Times are rank 0's wall clock between barriers. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -16,18 +17,27 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import on_every_rank  # noqa: E402
+
+from trainer.checkpoint import Checkpointer, latest_checkpoint  # noqa: E402
+from trainer.compose import compose  # noqa: E402
+from trainer.config import from_dict, to_dict  # noqa: E402
+from trainer.launch import run_workers  # noqa: E402
+from trainer.loop import TrainState  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+from trainer.parallel import make_strategy, strategy_class  # noqa: E402
 
 
 class _Loader:
@@ -39,10 +49,6 @@ class _Loader:
 
 
 def _build(cfg, rt):
-    from trainer.loop import TrainState
-    from trainer.model import build_model
-    from trainer.parallel import make_strategy
-
     torch.manual_seed(0)
     strategy = make_strategy(cfg.parallel, cfg.train, rt)
     model = strategy.wrap(build_model(cfg.model))
@@ -63,23 +69,16 @@ def _timed(rt, fn) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, port: int, mode: str, model: str, root: str, queue) -> None:
-    from trainer.checkpoint import Checkpointer, latest_checkpoint
-    from trainer.compose import compose
-    from trainer.runtime import Runtime
+def checkpoint_worker(sync_cfg: dict, async_cfg: dict, run_dir: str) -> list[dict]:
+    """Time the saves and the restore on this rank; every rank returns all ranks' figures."""
+    return on_every_rank(sync_cfg, _measure, from_dict(async_cfg), Path(run_dir))
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    distributed = mode in ("ddp", "zero", "fsdp")
-    if distributed:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    rt = Runtime(rank, rank, world, world, torch.device("cpu"), distributed)
-    run_dir = Path(root) / mode
+
+def _measure(sync_cfg, rt, async_cfg, run_dir: Path) -> dict:
     results = {}
-    for async_save in (False, True):
-        cfg = compose([f"model={model}", f"parallel={mode}", "train.device=cpu",
-                       f"checkpoint.async_save={str(async_save).lower()}", "checkpoint.keep=1"])
+    for cfg in (sync_cfg, async_cfg):
         run = _build(cfg, rt)
+        async_save = cfg.checkpoint.async_save
         run.state.step = 1 + int(async_save)
         checkpointer = Checkpointer(cfg, rt, run_dir)
         if async_save:
@@ -93,22 +92,13 @@ def _worker(rank: int, world: int, port: int, mode: str, model: str, root: str, 
         else:
             results["save_s"] = _timed(rt, lambda: checkpointer.save(run))  # noqa: B023
         checkpointer.close()
-    fresh = _build(cfg, rt)
-    results["load_s"] = _timed(rt, lambda: Checkpointer(cfg, rt, run_dir).restore(fresh))
-    if rank == 0:
+    fresh = _build(async_cfg, rt)
+    results["load_s"] = _timed(rt, lambda: Checkpointer(async_cfg, rt, run_dir).restore(fresh))
+    if rt.is_main:
         ckpt = latest_checkpoint(run_dir)
         results["size_mb"] = sum(p.stat().st_size for p in ckpt.iterdir()) / 2**20
         results["params_m"] = sum(p.numel() for p in run.strategy.unwrap(run.model).parameters()) / 1e6
-        queue.put(results)
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return results
 
 
 def main() -> None:
@@ -119,21 +109,21 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/dtrain-bench-ckpt")
     args = parser.parse_args()
     root = Path(args.dir)
-    ctx = mp.get_context("spawn")
     rows = []
-    for mode in args.modes.split(","):
-        world = 1 if mode == "none" else args.world
+    # a mode whose workers do not train one model together (none, dp) runs one worker
+    points = [(m, args.world if strategy_class(m).syncs_replicas else 1) for m in args.modes.split(",")]
+    for mode, world in points:
+        cfgs = [to_dict(compose([f"model={args.model}", f"parallel={mode}", f"world={world}", "train.device=cpu",
+                                 f"checkpoint.async_save={async_save}", "checkpoint.keep=1"]))
+                for async_save in ("false", "true")]
         shutil.rmtree(root / mode, ignore_errors=True)
-        queue = ctx.SimpleQueue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, mode, args.model, str(root), queue))
-                 for r in range(world)]
-        for proc in procs:
-            proc.start()
-        result = queue.get()
-        for proc in procs:
-            proc.join()
-        shutil.rmtree(root / mode, ignore_errors=True)
+        try:
+            with tempfile.TemporaryDirectory(prefix="dtrain-bench-ckpt-") as logs:
+                ranks = run_workers(checkpoint_worker, (*cfgs, str(root / mode)), cfgs[0]["launch"], world,
+                                    Path(logs), fresh_processes=True)
+        finally:
+            shutil.rmtree(root / mode, ignore_errors=True)
+        result = ranks[0]
         rows.append((mode, world, result))
         print(f"{mode} world {world}: {result}", file=sys.stderr, flush=True)
     print(f"\n{args.model} ({rows[0][2]['params_m']:.1f}M params), {os.cpu_count()} CPU cores, "

@@ -20,16 +20,27 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import on_every_rank  # noqa: E402
+
+from trainer.compose import compose  # noqa: E402
+from trainer.config import to_dict  # noqa: E402
+from trainer.data.tokenizer import gpt2_encoding  # noqa: E402
+from trainer.evals.hellaswag import HellaSwagEval, read_examples  # noqa: E402
+from trainer.launch import run_workers  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+from trainer.parallel import make_strategy  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 CTX_TOKENS, ENDING_TOKENS = 48, 24
 
 
 def synthetic_file(path: Path, n: int, seed: int = 0) -> Path:
-    from trainer.data.tokenizer import gpt2_encoding
-
     enc = gpt2_encoding()
     if CORPUS.exists():
         ids = enc.encode_ordinary(CORPUS.read_text()[:400_000])
@@ -50,28 +61,13 @@ def synthetic_file(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def bench_worker(cfg_dict: dict) -> dict:
-    """One worker: random-init model of cfg.model, wrapped for cfg.parallel; score this rank's share."""
-    from trainer.config import from_dict
-    from trainer.parallel import strategy_class
-    from trainer.runtime import init_runtime
-
-    cfg = from_dict(cfg_dict)
-    rt = init_runtime(cfg.train.device, strategy_class(cfg.parallel.mode).needs_process_group,
-                      cfg.launch.timeout_s, cfg.launch.threads_per_worker)
-    try:
-        return _bench(cfg, rt)  # the model is freed before the process group goes (see dtrain eval)
-    finally:
-        rt.shutdown()
+def bench_worker(cfg_dict: dict) -> list[dict]:
+    """One worker: random-init model of cfg.model, wrapped for cfg.parallel; score this rank's share.
+    Every rank returns all ranks' figures."""
+    return on_every_rank(cfg_dict, _bench)
 
 
 def _bench(cfg, rt) -> dict:
-    import torch
-
-    from trainer.evals.hellaswag import HellaSwagEval, read_examples
-    from trainer.model import build_model
-    from trainer.parallel import make_strategy
-
     torch.manual_seed(cfg.train.seed)
     strategy = make_strategy(cfg.parallel, cfg.train, rt)
     model = strategy.wrap(build_model(cfg.model))
@@ -98,11 +94,6 @@ def main() -> None:
     ap.add_argument("--parallel", default="none", help="none | ddp | zero | fsdp (dp at world 1 only)")
     ap.add_argument("--file", help="a real HellaSwag jsonl (default: synthetic examples)")
     args = ap.parse_args()
-
-    from trainer.compose import compose
-    from trainer.config import to_dict
-    from trainer.launch import run_workers
-
     with tempfile.TemporaryDirectory(prefix="bench-hellaswag-") as tmp:
         tmp = Path(tmp)
         path = Path(args.file) if args.file else synthetic_file(tmp / "hs.jsonl", args.examples)
@@ -112,11 +103,8 @@ def main() -> None:
                            f"eval.hellaswag.path={path}", f"eval.limit={args.examples}",
                            f"eval.hellaswag.batch_examples={args.batch_examples}", "train.device=cpu"])
             cfg_dict = to_dict(cfg)
-            if world == 1:
-                result = bench_worker(cfg_dict)
-            else:
-                result = run_workers(bench_worker, (cfg_dict,), cfg_dict["launch"], world, tmp / "logs",
-                                     fresh_processes=True)
+            # world 1 scores in this process, as before; more workers start fresh through torchrun's engine
+            result = run_workers(bench_worker, (cfg_dict,), cfg_dict["launch"], world, tmp / "logs")[0]
             rows.append(result)
             print(f"{args.model} parallel={args.parallel} world={world}: {result['n']} examples in "
                   f"{result['wall_s']:.1f} s = {result['examples_per_s']:.2f} examples/s "

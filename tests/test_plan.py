@@ -24,7 +24,7 @@ SIZES = {
 MEASURE = """
 import json, sys
 from pathlib import Path
-from trainer.bench import peak_worker
+from scripts.benchmarks.workers import peak_worker
 from trainer.launch import run_workers
 if __name__ == "__main__":
     cfg, world, run_dir = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scripts.benchmarks.tokenize_speed import benchmark_tokenize
 from trainer.data import prepare as P
 from trainer.data import sources
 from trainer.data.tokenizer import EOT, gpt2_encoding
@@ -245,7 +246,7 @@ def test_fineweb_hub_needs_datasets(tmp_path):
 
 def test_benchmark_tokenize_reports():
     texts = [_generated_text(500)] * 4
-    r = P.benchmark_tokenize(texts, num_proc=2)
+    r = benchmark_tokenize(texts, num_proc=2)
     assert r["tokens_match"] and r["pool_tokens_per_s"] > 0 and r["ratio"] > 0
 
 

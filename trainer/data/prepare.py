@@ -256,31 +256,6 @@ def _num_proc(cfg) -> int:
     return max(1, int(cfg.num_proc or os.cpu_count() or 1))
 
 
-def benchmark_tokenize(texts: list[str], num_proc: int | None = None) -> dict:
-    """Tokens/s of this module's pool against tiktoken's ``encode_ordinary_batch`` (same cores)."""
-    n = max(1, num_proc or os.cpu_count() or 1)
-    enc = gpt2_encoding()
-    t0 = time.perf_counter()
-    ref = enc.encode_ordinary_batch(texts, num_threads=n)
-    t_ref = time.perf_counter() - t0
-    ref_tokens = sum(map(len, ref)) + len(texts)  # + one EOT per document, as prepare writes
-    t0 = time.perf_counter()
-    with _encoder(n) as run:
-        ours = sum(len(toks) for toks, _ in run(_tasks(texts)))
-    t_ours = time.perf_counter() - t0
-    return {
-        "num_proc": n,
-        "chars": sum(map(len, texts)),
-        "tokens": ours,
-        "tokens_match": ours == ref_tokens,
-        "tiktoken_batch_s": t_ref,
-        "pool_s": t_ours,
-        "tiktoken_tokens_per_s": ref_tokens / t_ref,
-        "pool_tokens_per_s": ours / t_ours,
-        "ratio": (ours / t_ours) / (ref_tokens / t_ref),
-    }
-
-
 # ----------------------------------------------------------------------------------- writing
 
 
