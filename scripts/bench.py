@@ -131,9 +131,10 @@ def launch(cfg, world: int, entrypoint, extra: tuple) -> list[dict]:
 
 def prepare_data(cfg) -> None:
     """As `dtrain train` does: prepare a dataset that has no shards yet, or one set to auto_prepare."""
-    from trainer.data.prepare import is_prepared, manifest_path, prepare
+    from trainer.data.layout import MANIFEST, dataset_dir
+    from trainer.data.prepare import is_prepared, prepare
 
-    if not manifest_path(cfg.data).exists() or (cfg.data.auto_prepare and not is_prepared(cfg.data)):
+    if not (dataset_dir(cfg.data) / MANIFEST).exists() or (cfg.data.auto_prepare and not is_prepared(cfg.data)):
         console.print(f"preparing dataset {cfg.data.name} ...")
         prepare(cfg.data)
 
