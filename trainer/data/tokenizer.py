@@ -22,6 +22,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from trainer.data.downloads import PIP_TIMEOUT_S
 from trainer.errors import DataError
 from trainer.io import one_line, sha256_bytes, write_atomic
 
@@ -30,7 +31,6 @@ VOCAB_SIZE = 50257
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 WHISPER_SPEC = "openai-whisper==20250625"
 WHISPER_SDIST = "openai_whisper-20250625.tar.gz"
-PIP_TIMEOUT_S = 300
 
 
 def cache_dir() -> Path:
