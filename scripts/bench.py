@@ -37,7 +37,8 @@ from rich.table import Table  # noqa: E402
 
 from trainer.compose import compose  # noqa: E402
 from trainer.config import PARALLEL_MODES, to_dict, validate  # noqa: E402
-from trainer.data.prepare import is_prepared, manifest_path, prepare  # noqa: E402
+from trainer.data.layout import MANIFEST, dataset_dir  # noqa: E402
+from trainer.data.prepare import is_prepared, prepare  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.launch import run_workers  # noqa: E402
 from trainer.memory import estimate  # noqa: E402
@@ -133,7 +134,7 @@ def launch(cfg, world: int, entrypoint, extra: tuple) -> list[dict]:
 
 def prepare_data(cfg) -> None:
     """As `dtrain train` does: prepare a dataset that has no shards yet, or one set to auto_prepare."""
-    if not manifest_path(cfg.data).exists() or (cfg.data.auto_prepare and not is_prepared(cfg.data)):
+    if not (dataset_dir(cfg.data) / MANIFEST).exists() or (cfg.data.auto_prepare and not is_prepared(cfg.data)):
         console.print(f"preparing dataset {cfg.data.name} ...")
         prepare(cfg.data)
 

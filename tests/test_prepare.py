@@ -15,6 +15,7 @@ import pytest
 from scripts.benchmarks.tokenize_speed import benchmark_tokenize
 from trainer.data import prepare as P
 from trainer.data import sources
+from trainer.data.tokenize_pool import split_document
 from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import DataError
 
@@ -55,7 +56,7 @@ def test_prepare_tinyshakespeare(tmp_path, tiny_file):
     cfg = _cfg(tmp_path, source=str(tiny_file), shard_tokens=100_000)
     path = P.prepare(cfg, progress=False)
     root = P.dataset_dir(cfg)
-    assert path == root / "manifest.json" == P.manifest_path(cfg)
+    assert path == root / "manifest.json" == root / P.MANIFEST
     m = json.loads(path.read_text())
     assert m["format"] == 1 and m["dataset"] == "tinyshakespeare" and m["tokenizer"] == "gpt2"
     assert m["dtype"] == "uint16" and m["eot"] == EOT and m["vocab_size"] == 50257
@@ -133,11 +134,11 @@ def test_missing_shard_means_not_prepared(tmp_path, tiny_file):
 def test_split_document_cuts_exactly():
     enc = gpt2_encoding()
     text = _generated_text(3000) + "  indented line\n\n\n   \nlast   \n"
-    pieces = list(P.split_document(text, 2000))
+    pieces = list(split_document(text, 2000))
     assert len(pieces) > 10 and "".join(pieces) == text
     assert [t for p in pieces for t in enc.encode_ordinary(p)] == enc.encode_ordinary(text)
-    assert list(P.split_document("")) == [""]
-    assert "".join(P.split_document("x" * 5000, 1000)) == "x" * 5000  # no line break: hard cuts
+    assert list(split_document("")) == [""]
+    assert "".join(split_document("x" * 5000, 1000)) == "x" * 5000  # no line break: hard cuts
 
 
 def test_text_folder_and_glob(tmp_path):

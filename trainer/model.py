@@ -168,9 +168,3 @@ class GPT(nn.Module):
 
 def build_model(model_cfg) -> GPT:
     return GPT(GPTConfig.from_cfg(model_cfg))
-
-
-def is_decayed(name: str, param: torch.Tensor) -> bool:
-    """Weight decay applies to matmul weights and embeddings (2-D), not to biases or LayerNorms."""
-    return param.dim() >= 2
-

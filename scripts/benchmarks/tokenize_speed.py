@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from trainer.data.prepare import _encoder, _tasks
+from trainer.data.tokenize_pool import encoding_pool, piece_batches
 from trainer.data.tokenizer import gpt2_encoding
 
 
@@ -19,8 +19,8 @@ def benchmark_tokenize(texts: list[str], num_proc: int | None = None) -> dict:
     t_ref = time.perf_counter() - t0
     ref_tokens = sum(map(len, ref)) + len(texts)  # + one EOT per document, as prepare writes
     t0 = time.perf_counter()
-    with _encoder(n) as run:
-        ours = sum(len(toks) for toks, _ in run(_tasks(texts)))
+    with encoding_pool(n) as run:
+        ours = sum(len(toks) for toks, _ in run(piece_batches(texts)))
     t_ours = time.perf_counter() - t0
     return {
         "num_proc": n,

@@ -53,10 +53,6 @@ class ShardLoader:
         self.epoch, self.shard_pos, self.step_chunk, self.micro = 0, 0, 0, 0
         self._order = self._shard_order(0)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return sum(self.steps_in_shard)
-
     def _shard_order(self, epoch: int) -> list[int]:
         order = [i for i, n in enumerate(self.steps_in_shard) if n > 0]
         if self.shuffle and len(order) > 1:

@@ -11,38 +11,44 @@ The token stream is ``EOT doc0 EOT doc1 ...`` (EOT = 50256 separates documents).
 split is the last ``val_fraction`` of the stream (cut at a token), train is the rest, so a
 dataset of a single document still gets both splits.
 
-Tokenizing runs in a process pool over ~0.5 MB pieces of text. Long documents are cut at line
-breaks whose neighbours are not whitespace; GPT-2's pre-tokenizer always splits there, so the
-pieces encode to exactly the tokens of the whole document.
+Tokenizing runs in a process pool over ~0.5 MB pieces of text (tokenize_pool.py); the stream
+is written and cut into shards by shard_writer.py.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
+import fcntl
 import json
-import multiprocessing as mp
 import os
 import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from trainer.config import DataConfig
 from trainer.data import sources
-from trainer.data.sources import sha256_file as _sha256_file
-from trainer.data.tokenizer import EOT, VOCAB_SIZE, gpt2_encoding
+from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
+from trainer.data.shard_writer import StreamWriter, split_stream
+from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
+from trainer.data.tokenizer import EOT, VOCAB_SIZE
 from trainer.errors import DataError
+from trainer.io import sha256_file
 
-MANIFEST = "manifest.json"
-FORMAT = 1
-DTYPE = np.dtype("<u2")
-PIECE_CHARS = 1 << 19  # text per pool task (and the size long documents are cut to)
 SETTINGS_KEYS = (
     "source",
     "sha256",
@@ -53,16 +59,16 @@ SETTINGS_KEYS = (
     "hf_name",
     "hf_split",
 )
-_EOT_ARRAY = np.array([EOT], dtype=DTYPE)
 
 
 # ------------------------------------------------------------------------------------- config
 
 
 def as_data_cfg(data_cfg) -> DictConfig:
-    """Accept a DictConfig (cfg.data), a DataConfig dataclass or a plain dict of DataConfig keys."""
-    from trainer.config import DataConfig
+    """Accept a DictConfig (cfg.data), a DataConfig dataclass or a plain dict of DataConfig keys.
 
+    The public entry points (prepare, is_prepared, shards.read_manifest / open_split) call this
+    once; the helpers below them take the config it returns."""
     if isinstance(data_cfg, DictConfig):
         return data_cfg
     if dataclasses.is_dataclass(data_cfg):
@@ -76,23 +82,12 @@ def as_data_cfg(data_cfg) -> DictConfig:
     return OmegaConf.create(values)
 
 
-def dataset_dir(data_cfg) -> Path:
-    """``<data.dir>/<data.name>`` with ``~`` expanded."""
-    cfg = as_data_cfg(data_cfg)
-    return Path(os.path.expanduser(str(cfg.dir))) / cfg.name
-
-
-def manifest_path(data_cfg) -> Path:
-    return dataset_dir(data_cfg) / MANIFEST
-
-
 def default_data_dir() -> Path:
     return Path(os.path.expanduser(os.environ.get("DTRAIN_DATA_DIR") or "~/.cache/dtrain/data"))
 
 
-def prepare_command(data_cfg, force: bool = False) -> str:
+def prepare_command(cfg: DictConfig, force: bool = False) -> str:
     """The ``dtrain prepare ...`` line that (re)builds this dataset, for error messages."""
-    cfg = as_data_cfg(data_cfg)
     parts = ["dtrain", "prepare"]
     if cfg.name in sources.DATASETS:
         parts.append(f"data={cfg.name}")
@@ -108,9 +103,8 @@ def prepare_command(data_cfg, force: bool = False) -> str:
     return shlex.join(parts)
 
 
-def settings_of(data_cfg) -> dict:
+def settings_of(cfg: DictConfig) -> dict:
     """The config values a prepared dataset depends on (recorded in the manifest)."""
-    cfg = as_data_cfg(data_cfg)
     out = {k: cfg[k] for k in SETTINGS_KEYS}
     if out["source"]:
         out["source"] = sources.resolve_local(out["source"])
@@ -142,7 +136,10 @@ def _files_intact(root: Path, manifest: dict) -> bool:
 
 def is_prepared(data_cfg) -> bool:
     """A manifest with the current settings exists and every shard has its recorded size."""
-    cfg = as_data_cfg(data_cfg)
+    return _up_to_date(as_data_cfg(data_cfg))
+
+
+def _up_to_date(cfg: DictConfig) -> bool:
     root = dataset_dir(cfg)
     m = load_manifest(root / MANIFEST)
     if m is None or m.get("settings") != settings_of(cfg):
@@ -153,197 +150,15 @@ def is_prepared(data_cfg) -> bool:
         return False
 
 
-# ------------------------------------------------------------------------------- tokenizing
-
-
-def _safe_cut(text: str, lo: int, hi: int) -> int:
-    """A cut in [lo, hi] just after a newline with non-space on both sides, or -1."""
-    while hi > lo:
-        j = text.rfind("\n", lo, hi)
-        if j < 1:
-            return -1
-        if j + 1 < len(text) and not text[j - 1].isspace() and not text[j + 1].isspace():
-            return j + 1
-        hi = j
-    return -1
-
-
-def split_document(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
-    """Cut a long document into pieces of about ``max_chars`` whose encodings concatenate to the
-    document's. A cut falls just after a newline with non-whitespace on both sides (GPT-2's
-    pre-tokenizer always breaks there); a document without such a line break is cut hard."""
-    start, n = 0, len(text)
-    while n - start > max_chars:
-        cut = _safe_cut(text, start + max_chars // 2, start + max_chars)
-        if cut < 0:
-            cut = _safe_cut(text, start + 1, start + max_chars // 2)
-        if cut < 0:
-            cut = start + max_chars
-        yield text[start:cut]
-        start = cut
-    if start < n or n == 0:
-        yield text[start:]
-
-
-def _tasks(docs: Iterable[str], task_chars: int = PIECE_CHARS) -> Iterator[list[tuple[bool, str]]]:
-    """Batches of (starts_a_document, text) of about ``task_chars`` characters."""
-    batch, size = [], 0
-    for doc in docs:
-        for i, piece in enumerate(split_document(doc, task_chars)):
-            batch.append((i == 0, piece))
-            size += len(piece)
-            if size >= task_chars:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _encode_task(task: list[tuple[bool, str]]) -> tuple[np.ndarray, int]:
-    enc = gpt2_encoding()
-    parts, chars = [], 0
-    for starts_doc, piece in task:
-        if starts_doc:
-            parts.append(_EOT_ARRAY)
-        # encode_to_numpy with no special tokens allowed == encode_ordinary, without a Python list
-        parts.append(enc.encode_to_numpy(piece, disallowed_special=()).astype(DTYPE))
-        chars += len(piece)
-    return (np.concatenate(parts) if parts else np.empty(0, DTYPE)), chars
-
-
-def _init_worker() -> None:
-    gpt2_encoding()
-
-
-def _pool_context():
-    # Not fork: forking a process that already runs threads (torch's, tiktoken's, pytest's) can
-    # leave a lock held in the child forever (seen: a tokenizer worker stuck on a futex).
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        # The server imports this module once; each worker forks from it with the module (and
-        # numpy, tiktoken) loaded instead of importing them again.
-        context.set_forkserver_preload([__name__])
-        return context
-    return mp.get_context("spawn")
-
-
-@contextlib.contextmanager
-def _encoder(num_proc: int):
-    """Yields ``run(tasks) -> iterator of (tokens, chars)`` in order, ``num_proc`` processes."""
-    gpt2_encoding()  # load (or fetch) once here, so forked workers inherit it and errors surface early
-    if num_proc <= 1:
-        yield lambda tasks: (_encode_task(t) for t in tasks)
-        return
-    pool = _pool_context().Pool(num_proc, initializer=_init_worker)
-
-    def run(tasks):
-        pending = collections.deque()
-        for t in tasks:
-            pending.append(pool.apply_async(_encode_task, (t,)))
-            if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-    try:
-        yield run
-    finally:
-        pool.terminate()
-        pool.join()
-
-
-def _num_proc(cfg) -> int:
+def _num_proc(cfg: DictConfig) -> int:
     return max(1, int(cfg.num_proc or os.cpu_count() or 1))
 
 
-# ----------------------------------------------------------------------------------- writing
-
-
-class _StreamWriter:
-    """Appends tokens to ``stream_NNNNNN.bin`` files of at most ``shard_tokens`` tokens."""
-
-    def __init__(self, folder: Path, shard_tokens: int):
-        self.folder, self.shard_tokens = folder, shard_tokens
-        self.files: list[tuple[Path, int]] = []  # (path, tokens), in stream order
-        self._f = None
-        self.total = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self._f is None or self.files[-1][1] >= self.shard_tokens:
-                self._open_next()
-            path, count = self.files[-1]
-            take = min(len(tokens), self.shard_tokens - count)
-            self._f.write(tokens[:take].tobytes())
-            self.files[-1] = (path, count + take)
-            self.total += take
-            tokens = tokens[take:]
-
-    def _open_next(self) -> None:
-        if self._f is not None:
-            self._f.close()
-        path = self.folder / f"stream_{len(self.files):06d}.bin"
-        self._f = open(path, "wb", buffering=1 << 22)
-        self.files.append((path, 0))
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def _copy_range(writer: _StreamWriter, start: int, stop: int, out: Path, prefix: str, shard_tokens: int):
-    """Copy stream tokens [start, stop) into ``<prefix>_NNNNNN.bin`` shards; their (path, tokens)."""
-    shards, f, count = [], None, 0
-    base = 0
-    for path, n in writer.files:
-        lo, hi = max(start, base), min(stop, base + n)
-        if lo < hi:
-            mm = np.memmap(path, dtype=DTYPE, mode="r")
-            pos = lo
-            while pos < hi:
-                if f is None or count >= shard_tokens:
-                    if f is not None:
-                        f.close()
-                        shards[-1] = (shards[-1][0], count)
-                    shards.append((out / f"{prefix}_{len(shards):06d}.bin", 0))
-                    f, count = open(shards[-1][0], "wb"), 0
-                take = min(hi - pos, shard_tokens - count, 1 << 24)
-                f.write(mm[pos - base : pos - base + take].tobytes())
-                pos += take
-                count += take
-            del mm
-        base += n
-    if f is not None:
-        f.close()
-        shards[-1] = (shards[-1][0], count)
-    return shards
-
-
-def _split_stream(writer: _StreamWriter, n_val: int, out: Path, shard_tokens: int):
-    """Turn the stream files into train shards (all but the last n_val tokens) and val shards."""
-    cut = writer.total - n_val
-    val = _copy_range(writer, cut, writer.total, out, "val", shard_tokens)
-    train, base = [], 0
-    for path, n in writer.files:
-        keep = min(n, max(0, cut - base))
-        if keep:
-            if keep < n:
-                os.truncate(path, keep * DTYPE.itemsize)
-            final = out / f"train_{len(train):06d}.bin"
-            os.replace(path, final)
-            train.append((final, keep))
-        else:
-            path.unlink()
-        base += n
-    return train, val
 
 
 @contextlib.contextmanager
 def _locked(root: Path):
     """One prepare per dataset folder at a time (ranks or shells racing each other wait here)."""
-    import fcntl
-
     with open(root / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -366,16 +181,6 @@ def _publish(root: Path, tmp: Path, manifest: dict) -> None:
 
 
 def _progress(enabled: bool | None, total: int | None):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     console = Console(stderr=True)
     if enabled is None:
         enabled = console.is_terminal
@@ -400,7 +205,7 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
     """
     cfg = as_data_cfg(data_cfg)
     root = dataset_dir(cfg)
-    if not force and is_prepared(cfg):
+    if not force and _up_to_date(cfg):
         return root / MANIFEST
     if cfg.shard_tokens < 1:
         raise DataError(f"data.shard_tokens={cfg.shard_tokens} must be at least 1")
@@ -413,7 +218,7 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
     except OSError as e:
         raise DataError(f"cannot create {root} ({e.strerror}); set data.dir to a writable folder") from e
     with _locked(root):
-        if not force and is_prepared(cfg):  # someone else just did it
+        if not force and _up_to_date(cfg):  # someone else just did it
             return root / MANIFEST
         for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
@@ -427,8 +232,8 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
     return root / MANIFEST
 
 
-def _build(cfg, source: sources.Source, tmp: Path, progress: bool | None) -> dict:
-    writer = _StreamWriter(tmp, cfg.shard_tokens)
+def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | None) -> dict:
+    writer = StreamWriter(tmp, cfg.shard_tokens)
     max_tokens = cfg.max_tokens
     documents = 0
     by_tokens = source.size_hint is None and max_tokens is not None
@@ -436,11 +241,11 @@ def _build(cfg, source: sources.Source, tmp: Path, progress: bool | None) -> dic
     num_proc = _num_proc(cfg)
     if source.size_hint is not None and source.size_hint <= PIECE_CHARS:
         num_proc = 1  # one task's worth of text: a pool would only add start-up time
-    with _encoder(num_proc) as run, bar:  # fork the pool before rich starts its thread
+    with encoding_pool(num_proc) as run, bar:  # fork the pool before rich starts its thread
         task = bar.add_task(
             f"tokenizing {cfg.name}", total=max_tokens if by_tokens else source.size_hint, tokens=0
         )
-        for tokens, chars in run(_tasks(source.documents())):
+        for tokens, chars in run(piece_batches(source.documents())):
             if max_tokens is not None and writer.total + len(tokens) > max_tokens:
                 tokens = tokens[: max_tokens - writer.total]
             writer.write(tokens)
@@ -456,9 +261,9 @@ def _build(cfg, source: sources.Source, tmp: Path, progress: bool | None) -> dic
     if cfg.val_fraction > 0:
         n_val = max(1, n_val)
     n_val = min(n_val, total - 1)
-    train, val = _split_stream(writer, n_val, tmp, cfg.shard_tokens)
+    train, val = split_stream(writer, n_val, tmp, cfg.shard_tokens)
     splits = {
-        name: [{"file": p.name, "tokens": n, "sha256": _sha256_file(p)} for p, n in shards]
+        name: [{"file": p.name, "tokens": n, "sha256": sha256_file(p)} for p, n in shards]
         for name, shards in (("train", train), ("val", val))
     }
     return {

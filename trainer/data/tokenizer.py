@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hashlib
 import os
 import subprocess
 import sys
@@ -21,15 +20,17 @@ import tempfile
 from pathlib import Path
 
 import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
 
+from trainer.data.downloads import PIP_TIMEOUT_S
 from trainer.errors import DataError
+from trainer.io import one_line, sha256_bytes, write_atomic
 
 EOT = 50256  # <|endoftext|>, the document separator
 VOCAB_SIZE = 50257
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 WHISPER_SPEC = "openai-whisper==20250625"
 WHISPER_SDIST = "openai_whisper-20250625.tar.gz"
-PIP_TIMEOUT_S = 300
 
 
 def cache_dir() -> Path:
@@ -42,10 +43,6 @@ def cached_ranks_path() -> Path:
 
 def _offline() -> bool:
     return os.environ.get("DTRAIN_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _parse_ranks(data: bytes, origin: str) -> dict[bytes, int]:
@@ -70,8 +67,6 @@ def _dump_ranks(ranks: dict[bytes, int]) -> bytes:
 
 
 def _build(ranks: dict[bytes, int]) -> tiktoken.Encoding:
-    from tiktoken_ext.openai_public import r50k_pat_str
-
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=r50k_pat_str,
@@ -81,25 +76,16 @@ def _build(ranks: dict[bytes, int]) -> tiktoken.Encoding:
     )
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _save_ranks(path: Path, data: bytes) -> None:
+    """Cache a verified ranks file (readable by all: the cache may be shared by several users)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, durable=True, mode=0o644)
 
 
 def load_ranks_file(path: Path) -> tiktoken.Encoding:
     """Build the encoding from a .tiktoken file, refusing it unless its sha256 is GPT-2's."""
     data = Path(path).read_bytes()
-    digest = _sha256(data)
+    digest = sha256_bytes(data)
     if digest != GPT2_TIKTOKEN_SHA256:
         raise DataError(
             f"{path} is not the GPT-2 tokenizer file (sha256 {digest[:12]}..., expected "
@@ -112,8 +98,8 @@ def _from_tiktoken_online() -> tiktoken.Encoding:
     enc = tiktoken.get_encoding("gpt2")
     try:  # keep a verified copy so later runs work offline
         data = _dump_ranks(enc._mergeable_ranks)
-        if _sha256(data) == GPT2_TIKTOKEN_SHA256:
-            _atomic_write(cached_ranks_path(), data)
+        if sha256_bytes(data) == GPT2_TIKTOKEN_SHA256:
+            _save_ranks(cached_ranks_path(), data)
     except Exception:
         pass
     return enc
@@ -157,12 +143,12 @@ def fetch_from_pypi(dest: Path | None = None, timeout: float = PIP_TIMEOUT_S) ->
             if member is None:
                 raise RuntimeError(f"{WHISPER_SDIST} has no whisper/assets/gpt2.tiktoken")
             data = tar.extractfile(member).read()
-    digest = _sha256(data)
+    digest = sha256_bytes(data)
     if digest != GPT2_TIKTOKEN_SHA256:
         raise RuntimeError(
             f"gpt2.tiktoken from {WHISPER_SDIST} has sha256 {digest}, expected {GPT2_TIKTOKEN_SHA256}"
         )
-    _atomic_write(dest, data)
+    _save_ranks(dest, data)
     return dest
 
 
@@ -181,7 +167,7 @@ def gpt2_encoding() -> tiktoken.Encoding:
     try:
         return load_ranks_file(fetch_from_pypi(path))
     except Exception as e:
-        errors.append("PyPI: " + " ".join(str(e).split()))
+        errors.append("PyPI: " + one_line(e))
     raise DataError(
         f"cannot load the GPT-2 tokenizer ({'; '.join(errors)}); allow access to PyPI, or copy "
         f"gpt2.tiktoken (sha256 {GPT2_TIKTOKEN_SHA256[:12]}..., from the openai-whisper package's "

@@ -18,7 +18,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,16 @@ from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 
-from trainer.data.sources import sha256_file as _sha256_file
+from trainer.data.downloads import download
+from trainer.data.tokenizer import gpt2_encoding
 from trainer.errors import ConfigError, DataError
+from trainer.io import one_line, sha256_file, write_atomic
 
 N_ENDINGS = 4
 FIELDS = ("ctx", "endings", "label")
 DEFAULT_FILE_NAME = "hellaswag_val.jsonl"
-METRIC_KEYS = ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,6 @@ class EncodedExample:
 
 
 # --------------------------------------------------------------------------------- the file
-
-
-def _one_line(x) -> str:
-    return " ".join(str(x).split())
 
 
 def _parse_row(row, where: str) -> Example:
@@ -105,22 +102,11 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise DataError(f"cannot read {path} ({_one_line(e.strerror or e)}); fix eval.hellaswag.path") \
+        raise DataError(f"cannot read {path} ({one_line(e.strerror or e)}); fix eval.hellaswag.path") \
             from None
     if not examples:
         raise DataError(f"{path} holds no HellaSwag examples; point eval.hellaswag.path at a jsonl file")
     return examples
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def cache_path(hs_cfg, data_dir: str) -> Path:
@@ -145,7 +131,7 @@ def hellaswag_file(hs_cfg, data_dir: str) -> Path:
                 f"drop it to download {hs_cfg.url}"
             )
         if expected:
-            digest = _sha256_file(path)
+            digest = sha256_file(path)
             if digest != expected:
                 raise DataError(
                     f"{path} has sha256 {digest}, expected eval.hellaswag.sha256={expected}; fix the "
@@ -157,38 +143,34 @@ def hellaswag_file(hs_cfg, data_dir: str) -> Path:
 
 def fetch(url: str, dest: Path, sha256: str | None = None) -> Path:
     """Download url to dest unless a verified copy is there; record its sha256 in dest.sha256."""
-    from trainer.data.sources import download
-
     record = dest.with_name(dest.name + ".sha256")
     if dest.exists():
         recorded = record.read_text().split()[0] if record.exists() else None
         want = sha256 or recorded
-        digest = _sha256_file(dest)
+        digest = sha256_file(dest)
         if want is None or digest == want:
             if recorded != digest:
-                _write_atomic(record, f"{digest}  {dest.name}\n")
+                write_atomic(record, f"{digest}  {dest.name}\n")
             return dest
         dest.unlink(missing_ok=True)  # a stale or corrupt copy: fetch it again
     try:
         download(url, dest, None)
     except DataError as e:
         cause = e.__cause__
-        reason = _one_line(getattr(cause, "reason", cause) if cause is not None else e)
+        reason = one_line(getattr(cause, "reason", cause) if cause is not None else e)
         raise DataError(
             f"cannot download HellaSwag from {url} ({reason}); check network access, or download it "
             "yourself and set eval.hellaswag.path=<local jsonl file>"
         ) from None
-    digest = _sha256_file(dest)
+    digest = sha256_file(dest)
     if sha256 and digest != sha256:
         dest.unlink(missing_ok=True)
         raise DataError(
             f"{url} downloaded with sha256 {digest}, expected eval.hellaswag.sha256={sha256}; fix "
             "eval.hellaswag.sha256 (or set it to null) or set eval.hellaswag.path=<local file>"
         )
-    _write_atomic(record, f"{digest}  {dest.name}\n")
+    write_atomic(record, f"{digest}  {dest.name}\n")
     if not sha256:
-        from rich.console import Console
-
         Console(stderr=True).print(
             f"downloaded {url} to {dest} (sha256 {digest}, recorded in {record.name}; set "
             "eval.hellaswag.sha256 to pin it)", highlight=False, soft_wrap=True)
@@ -295,8 +277,6 @@ class HellaSwagEval:
         if batch_examples < 1:
             raise ConfigError(f"eval.hellaswag.batch_examples={batch_examples} must be at least 1")
         if enc is None:
-            from trainer.data.tokenizer import gpt2_encoding
-
             enc = gpt2_encoding()
         self.n_total = len(examples)
         self.rank, self.world = rank, world

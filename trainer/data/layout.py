@@ -1,0 +1,26 @@
+"""Where a dataset lives on disk and the format of its files.
+
+Shared by the sources (their download cache), prepare (which writes a dataset), the shard writer
+and shards.py (which reads one), so none of them has to import another just for these.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "manifest.json"  # written last; its presence is what makes a dataset valid
+FORMAT = 1
+DTYPE = np.dtype("<u2")  # GPT-2 token ids (< 65536), raw little-endian
+
+
+def dataset_dir(data_cfg) -> Path:
+    """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (prepare.as_data_cfg)."""
+    return Path(os.path.expanduser(str(data_cfg.dir))) / data_cfg.name
+
+
+def raw_dir(data_cfg) -> Path:
+    """Cached downloads (source archives), kept across re-prepares."""
+    return dataset_dir(data_cfg) / "raw"
