@@ -64,7 +64,8 @@ def _timed(rt, fn) -> float:
 
 
 def _worker(rank: int, world: int, port: int, mode: str, model: str, root: str, queue) -> None:
-    from trainer.checkpoint import Checkpointer, latest_checkpoint
+    from trainer.checkpoint.layout import latest_checkpoint
+    from trainer.checkpoint.manager import Checkpointer
     from trainer.cli import compose
     from trainer.runtime import Runtime
 

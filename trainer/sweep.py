@@ -163,7 +163,7 @@ def is_head_node() -> bool:
 def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
     """Run one sweep point (Hydra's task function calls this in multirun mode); returns the
     objective, the best val loss. A finished point is skipped, an unfinished one resumed."""
-    from trainer.rundir import has_checkpoint
+    from trainer.checkpoint.layout import has_checkpoint
 
     point_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_dir = point_dir.parent

@@ -41,7 +41,7 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
             if problem:
                 raise UserError(problem)
             cfg = from_dict(cfg_dict)
-        from trainer.checkpoint import Checkpointer
+        from trainer.checkpoint.manager import Checkpointer
         from trainer.loop import train
 
         result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))

@@ -110,7 +110,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
             "dtrain export needs the safetensors package: pip install 'dtrain[export]' "
             "(or pip install safetensors)"
         ) from None
-    from trainer.checkpoint import model_from_run
+    from trainer.checkpoint.weights import model_from_run
 
     model, cfg = model_from_run(run_dir, step=step)
     out.mkdir(parents=True, exist_ok=True)

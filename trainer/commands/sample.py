@@ -64,7 +64,7 @@ def cmd_sample(argv: list[str]) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     args = parser.parse_args(argv)
 
-    from trainer.checkpoint import model_from_run
+    from trainer.checkpoint.weights import model_from_run
     from trainer.runtime import pick_device
 
     try:
