@@ -31,7 +31,8 @@ if str(REPO) not in sys.path:
 
 from benchmarks.harness import on_every_rank  # noqa: E402
 
-from trainer.checkpoint import Checkpointer, latest_checkpoint  # noqa: E402
+from trainer.checkpoint.layout import latest_checkpoint  # noqa: E402
+from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import from_dict, to_dict  # noqa: E402
 from trainer.launch import run_workers  # noqa: E402

@@ -17,17 +17,9 @@ import pytest
 import torch
 from conftest import REPO, dtrain_env, run_dtrain, tiny_args, train_losses
 
-from trainer.checkpoint import (
-    MARKER,
-    checkpoint_step,
-    is_complete,
-    latest_checkpoint,
-    list_checkpoints,
-    load_model_weights,
-    model_from_run,
-    read_metadata,
-    validate_checkpoint,
-)
+from trainer.checkpoint.layout import MARKER, checkpoint_step, is_complete, latest_checkpoint, list_checkpoints
+from trainer.checkpoint.verify import read_metadata, validate_checkpoint
+from trainer.checkpoint.weights import load_model_weights, model_from_run
 from trainer.errors import CheckpointError
 
 STEPS, INTERVAL = 8, 3
@@ -322,7 +314,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, referenc
 def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, references, tmp_path):
     """A permission error while saving (an immutable checkpoints/ folder: root ignores plain
     permissions), through the real Run and Checkpointer in this process."""
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.manager import Checkpointer
     from trainer.compose import compose
     from trainer.loop import Run
     from trainer.runtime import Runtime

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer, latest_checkpoint, model_from_run
+from trainer.checkpoint.layout import latest_checkpoint
+from trainer.checkpoint.manager import Checkpointer
+from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
 from trainer.commands.export import CONV1D_WEIGHTS, cmd_export
 from trainer.commands.sample import cmd_sample

@@ -1,26 +1,21 @@
-"""The run directory: what counts as another run's outputs, and the resolved config record."""
+"""The run directory: what counts as another run's outputs, and the resolved config record.
+
+Torch-free (the CLI checks a run directory before torch is imported, so a mistake is reported fast).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+from trainer.checkpoint.layout import has_checkpoint, resolve_checkpoint
 from trainer.env import restart_count
 from trainer.errors import UserError
+from trainer.io import write_atomic
 from trainer.metrics import METRICS_FILE
 
 CONFIG_RECORD = "resolved_config.json"
-CHECKPOINT_DIR = "checkpoints"
-
-
-def has_checkpoint(run_dir: Path, complete: bool = True) -> bool:
-    """Whether the run directory holds a checkpoint (a complete one, unless complete=False)."""
-    ckpt = run_dir / CHECKPOINT_DIR
-    if not complete:
-        return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
-    from trainer.checkpoint import latest_checkpoint
-
-    return latest_checkpoint(run_dir) is not None
 
 
 def check_run_dir(run_dir: Path, resume: str) -> None:
@@ -34,8 +29,6 @@ def check_run_dir(run_dir: Path, resume: str) -> None:
     if restart_count() > 0:
         return
     if resume not in ("auto", "never"):
-        from trainer.checkpoint import resolve_checkpoint
-
         resolve_checkpoint(resume)  # raises CheckpointError naming what is wrong with PATH
         return
     if not (run_dir / METRICS_FILE).exists() and not has_checkpoint(run_dir, complete=False):
@@ -54,9 +47,15 @@ def check_run_dir(run_dir: Path, resume: str) -> None:
 
 def write_config_record(run_dir: Path, cfg_dict: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (CONFIG_RECORD + ".tmp")
-    tmp.write_text(json.dumps(cfg_dict, indent=2, sort_keys=True))
-    tmp.replace(run_dir / CONFIG_RECORD)
+    write_atomic(run_dir / CONFIG_RECORD, json.dumps(cfg_dict, indent=2, sort_keys=True), mode=_new_file_mode())
+
+
+def _new_file_mode() -> int:
+    """The permissions a plain new file gets under this process's umask (mkstemp's would be 0600;
+    the record stays readable by whoever could read it before)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def read_config_record(run_dir: Path) -> dict:

@@ -27,6 +27,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from trainer.checkpoint.layout import has_checkpoint
 from trainer.compose import compose, split_args, sweep_points
 from trainer.env import under_torchrun
 from trainer.errors import UserError
@@ -44,7 +45,6 @@ from trainer.results import (
     run_figures,
     table_console,
 )
-from trainer.rundir import has_checkpoint
 
 SUMMARY_FILE = "summary.jsonl"
 ERROR_FILE = "error.txt"

@@ -7,7 +7,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.manager import Checkpointer
 from trainer.config import from_dict
 from trainer.loop import train
 from trainer.parallel import strategy_class

@@ -28,9 +28,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from trainer.args import ArgParser
+from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
 from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
-from trainer.errors import CheckpointError, ConfigError
+from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
 from trainer.io import write_atomic
 from trainer.launch import run_workers
@@ -117,46 +118,7 @@ def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
         raise ConfigError(f"parallel={mode} runs in one process; use parallel=none or ddp with world={world}")
     if world < 1 or world % cfg.launch.nnodes:
         raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
-    return run_dir, cfg, _weights_path(run_dir, ckpt)
-
-
-def _weights_path(run_dir: Path, ckpt: str | None) -> str:
-    """ckpt= as given (a state_dict file, a step_* folder, a run dir), else the run's newest checkpoint."""
-    from trainer.checkpoint import latest_checkpoint, resolve_checkpoint
-
-    if ckpt:
-        path = Path(ckpt).expanduser().absolute()
-        return str(path if path.is_file() else resolve_checkpoint(path))
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise CheckpointError(
-            f"{run_dir} has no complete checkpoint (checkpoints/step_*); a run saves one at its end and "
-            "every checkpoint.interval steps; or pass ckpt=PATH"
-        )
-    return str(path)
-
-
-def load_weights(model, weights: str) -> None:
-    """Full weights into a plain GPT: a checkpoint directory (any world size / mode) or a state_dict file."""
-    path = Path(weights)
-    if path.is_file():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(f"cannot read {path} as a state_dict ({type(err).__name__})") from None
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            state = state["model"]
-        state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as err:
-            raise CheckpointError(
-                f"{path} does not fit the run's model ({' '.join(str(err).split()[:30])} ...)"
-            ) from None
-        return
-    from trainer.checkpoint import load_model_weights
-
-    load_model_weights(model, path)
+    return run_dir, cfg, eval_weights_path(run_dir, ckpt)
 
 
 def eval_worker(cfg_dict: dict, run_dir: str, weights: str) -> dict:
@@ -209,7 +171,7 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         "hellaswag_correct_norm": result.correct_norm,
         "run_dir": str(run_dir),
         "weights": str(weights),
-        "step": _checkpoint_step(weights),
+        "step": weights_step(weights),
         "file": cfg.eval.hellaswag.path or cfg.eval.hellaswag.url,
         "limit": cfg.eval.limit,
         "model": cfg.model.name,
@@ -225,12 +187,6 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         write_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
         _print_result(record, run_dir / RESULT_FILE)
     return record
-
-
-def _checkpoint_step(weights: str) -> int | None:
-    from trainer.checkpoint import checkpoint_step
-
-    return checkpoint_step(Path(weights)) if Path(weights).is_dir() else None
 
 
 class _Bar:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from trainer.args import ArgParser, non_negative_int
-from trainer.checkpoint import model_from_run
+from trainer.checkpoint.weights import model_from_run
 from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
 

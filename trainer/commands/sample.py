@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.args import ArgParser, non_negative_int, positive
-from trainer.checkpoint import model_from_run
+from trainer.checkpoint.weights import model_from_run
 from trainer.errors import UserError
 from trainer.generate import generate_text
 from trainer.runtime import pick_device

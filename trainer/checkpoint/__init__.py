@@ -1,0 +1,31 @@
+"""Sharded, atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of one run directory:
+
+    checkpoints/
+      step_000012/            a complete checkpoint (published by one rename)
+        .metadata             DCP's index of every tensor (written by rank 0)
+        __0_0.distcp ...      DCP tensor shards (every rank writes its own)
+        trainer_state.json    step, tokens, best val loss, every rank's loader position and RNG states
+        config.json           the resolved config of the run that wrote it
+        COMPLETE              the completion marker, written last
+      .tmp_step_000016/       a save in progress (ignored and removed on the next start)
+
+The DCP part holds tensors only: `model.<fqn>` (the model's parameters, full or sharded by the
+strategy) and `optim.<fqn>.<name>` (AdamW's per-parameter state, keyed by parameter name so it
+reshards across world sizes and modes). Everything else is JSON. Loading never unpickles an
+arbitrary object: tensor data goes through torch.load(weights_only=True) inside DCP, and DCP's
+`.metadata` index is read with an unpickler that only admits DCP's own metadata classes.
+
+Only global rank 0 writes outside the DCP shard files: it creates the temporary folder, writes
+the JSON files and the marker, renames the folder into place, and deletes old checkpoints.
+
+Modules, one job each (this file imports none of them, so `trainer.checkpoint.layout` stays
+torch-free for the run-directory checks that run before torch is imported):
+
+    layout    names of the files and folders above; finding complete checkpoints (standard library)
+    verify    reading a checkpoint safely and checking it before anything is loaded
+    rng       every rank's RNG states as JSON
+    manager   the Checkpointer: save, restore, retention and async saves during training
+    weights   a checkpoint's (or a state_dict file's) weights in a plain model: eval, sample, export
+"""

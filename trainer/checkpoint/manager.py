@@ -1,0 +1,320 @@
+"""Saving and restoring a training run's checkpoints: every rank builds one Checkpointer.
+
+Every rank writes its own DCP shards; rank 0 alone writes the JSON files and the marker,
+publishes the folder with one rename, and applies retention (the layout: trainer.checkpoint).
+A save can run in the background (checkpoint.async_save) and is published when it completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from trainer.checkpoint.layout import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    DEL_PREFIX,
+    FORMAT_VERSION,
+    MARKER,
+    STATE_FILE,
+    TMP_PREFIX,
+    checkpoint_step,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+    step_dir_name,
+)
+from trainer.checkpoint.rng import rng_state, set_rng_state
+from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state, validate_checkpoint
+from trainer.config import to_dict
+from trainer.env import restart_count
+from trainer.errors import CheckpointError, ConfigError
+from trainer.io import first_line, fsync_dir, write_durable
+
+
+def _json_float(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the step_* namespace first, so a kill midway
+    never leaves a half-deleted folder that looks like a checkpoint."""
+    if not path.exists():
+        return
+    doomed = path
+    if not path.name.startswith((TMP_PREFIX, DEL_PREFIX)):
+        doomed = path.with_name(DEL_PREFIX + path.name)
+        if doomed.exists():
+            shutil.rmtree(doomed, ignore_errors=True)
+        path.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _nested_failure(err: BaseException) -> BaseException | None:
+    """The first per-rank exception inside DCP's CheckpointException, if any."""
+    if isinstance(err, CheckpointException):
+        for value in err.failures.values():
+            exc = value[0] if isinstance(value, tuple) else value
+            if isinstance(exc, BaseException):
+                return exc
+    return None
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every rank builds one (collectives inside)."""
+
+    def __init__(self, cfg, rt, run_dir: Path):
+        self.cfg, self.rt = cfg, rt
+        c = cfg.checkpoint
+        if c.interval < 0:
+            raise ConfigError(
+                f"checkpoint.interval={c.interval} must be 0 (only at the end) or a number of steps"
+            )
+        if c.keep < 1:
+            raise ConfigError(f"checkpoint.keep={c.keep} must be at least 1")
+        self.interval, self.keep = c.interval, c.keep
+        # Rank 0's run directory is the one checkpoints go to (every node must see it: shared
+        # storage across nodes), so all ranks agree on one folder even where nodes differ.
+        self.root = Path(self.rt.broadcast_object(str(Path(run_dir) / CHECKPOINT_DIR)))
+        self.async_save = bool(c.async_save)
+        self.pg = None
+        if self.async_save and rt.distributed:
+            # The background save runs its own collectives; a separate gloo group keeps them apart
+            # from the training thread's.
+            self.pg = dist.new_group(backend="gloo")
+        self.pending = None  # (future, tmp folder, final folder, step, JSON record) of an async save
+        self.resumed_from: Path | None = None
+
+    def _say(self, message: str) -> None:
+        if self.rt.is_main:
+            print(f"dtrain: {message}", file=sys.stderr, flush=True)
+
+    # --- restore ---
+    def _choose(self) -> tuple[str, Metadata, dict] | None:
+        """Rank 0: clean up interrupted saves, then pick and check the checkpoint to resume; returns
+        (its path, its DCP index, its trainer state) for every rank, or None to start afresh."""
+        try:
+            self._cleanup()
+            resume = self.cfg.resume
+            own = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
+            if resume in ("auto", "never"):
+                # resume=never refused this run dir up front; a restart of the same job still
+                # continues its own checkpoints.
+                ckpt = own if resume == "auto" or restart_count() > 0 else None
+            else:
+                ckpt = own if restart_count() > 0 and own is not None else resolve_checkpoint(resume)
+            if ckpt is None:
+                return None
+            metadata, saved, _ = validate_checkpoint(ckpt, self.cfg.model)
+        except OSError as err:
+            raise CheckpointError(f"cannot read checkpoints under {self.root}: {first_line(err)}") from None
+        return str(ckpt), metadata, saved
+
+    def _cleanup(self) -> None:
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            stale = path.name.startswith((TMP_PREFIX, DEL_PREFIX)) or (
+                checkpoint_step(path) is not None and not is_complete(path)
+            )
+            if stale and path.is_dir():
+                self._say(f"removing the interrupted checkpoint save {path.name}")
+                shutil.rmtree(path, ignore_errors=True)
+
+    def restore(self, run) -> None:
+        """Load model, optimizer, counters, loader position and RNG states when resuming."""
+        # Rank 0 checks the checkpoint once; the other ranks take its index and state from it.
+        choice = self.rt.from_main(self._choose, error=CheckpointError)
+        if choice is None:
+            return
+        path, metadata, saved = choice
+        ckpt = Path(path)
+        strategy, model, optimizer = run.strategy, run.model, run.optimizer
+        template = {
+            "model": strategy.model_state_dict(model),
+            "optim": strategy.optimizer_state_template(model, optimizer),
+        }
+        check_template(ckpt, metadata, flatten_state(template))
+        try:
+            dcp.load(template, storage_reader=SafeReader(ckpt))
+        except DCP_ERRORS as err:
+            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(err)}") from None
+        strategy.load_model_state_dict(model, template["model"])
+        strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
+
+        state = run.state
+        state.step = int(saved["step"])
+        state.tokens = int(saved["tokens"])
+        best, last = saved.get("best_val_loss"), saved.get("last_loss")
+        state.best_val_loss = math.inf if best is None else float(best)
+        state.last_loss = math.nan if last is None else float(last)
+        rank = self.rt.rank
+        loaders, rngs = saved["loaders"], saved["rng"]
+        # The data position is the same on every rank (world-independent); RNG streams start
+        # identical on every rank, so a rank the old world did not have takes rank 0's.
+        run.train_loader.load_state_dict(loaders[rank] if rank < len(loaders) else loaders[0])
+        set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], self.rt.device)
+        self.resumed_from = ckpt
+        self._say(f"resuming from {ckpt} (step {state.step})")
+
+    # --- save ---
+    def after_step(self, run, last: bool) -> bool:
+        """Save when the step is due (every `interval` steps, and at the end); True if it saved."""
+        self._poll()
+        step = run.state.step
+        if not (last or (self.interval and step % self.interval == 0)):
+            return False
+        self.save(run)
+        return True
+
+    def save(self, run) -> Path:
+        self._finish_pending()
+        step = run.state.step
+        name = step_dir_name(step)
+        tmp, final = self.root / (TMP_PREFIX + name), self.root / name
+        problem = None
+        if self.rt.is_main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            except OSError as err:
+                problem = self._save_problem(tmp, err)
+        self.rt.agree(problem, CheckpointError)
+
+        local = {"loader": run.train_loader.state_dict(), "rng": rng_state(self.rt.device)}
+        gathered = self.rt.all_gather_object(local)
+        strategy = run.strategy
+        tensors = {
+            "model": strategy.model_state_dict(run.model),
+            "optim": strategy.optimizer_state_dict(run.model, run.optimizer),
+        }
+        record = None
+        if self.rt.is_main:
+            s = run.state
+            record = {
+                "format": FORMAT_VERSION,
+                "step": s.step,
+                "tokens": s.tokens,
+                "best_val_loss": _json_float(s.best_val_loss),
+                "last_loss": _json_float(s.last_loss),
+                "world": self.rt.world,
+                "parallel": self.cfg.parallel.mode,
+                "total_batch_size": run.plan.total_batch_size,
+                "time": time.time(),
+                "loaders": [g["loader"] for g in gathered],
+                "rng": [g["rng"] for g in gathered],
+            }
+        if self.async_save:
+            try:
+                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
+            except DCP_ERRORS as err:
+                raise self._failed(tmp, err) from None
+            self.pending = (future, tmp, final, step, record)
+            return final
+        try:
+            dcp.save(tensors, checkpoint_id=tmp)
+        except DCP_ERRORS as err:  # DCP raises the same error on every rank
+            raise self._failed(tmp, err) from None
+        problem = None
+        if self.rt.is_main:
+            try:
+                self._publish(tmp, final, step, record)
+            except OSError as err:
+                problem = str(self._failed(tmp, err))
+        self.rt.agree(problem, CheckpointError)
+        return final
+
+    def _failed(self, tmp: Path, err: BaseException) -> CheckpointError:
+        """The error to raise for a failed save; rank 0 removes the partial folder (to free the
+        space a full disk needs back, and so nothing half-written is left)."""
+        message = self._save_problem(tmp, err)
+        if self.rt.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(message)
+
+    def _save_problem(self, tmp: Path, err: BaseException) -> str:
+        cause = err
+        for _ in range(10):  # the root cause inside DCP's wrappers
+            inner = _nested_failure(cause) or cause.__cause__
+            if inner is None:
+                break
+            cause = inner
+        previous = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        name = tmp.name.removeprefix(TMP_PREFIX)
+        reason = first_line(cause)
+        # A full disk often surfaces as a serializer error ("unexpected pos ..."), not ENOSPC.
+        need = sum(p.stat().st_size for p in previous.iterdir()) if previous else 0
+        try:
+            free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
+        except OSError:
+            free = None
+        code = getattr(cause, "errno", None)
+        if code == errno.ENOSPC or (code is None and free is not None and free < max(need, 2**20)):
+            free_text = "" if free is None else f", {free / 2**20:,.0f} MiB free"
+            reason = f"no space left on the device ({reason}{free_text})"
+        return f"could not save checkpoint {name} under {self.root}: {reason}; {kept}"
+
+    def _publish(self, tmp: Path, final: Path, step: int, record: dict) -> None:
+        """Rank 0, once every rank's shards are written: JSON, marker, one rename, retention."""
+        write_durable(tmp / STATE_FILE, json.dumps(record))
+        cfg_dict = to_dict(self.cfg) if not isinstance(self.cfg, dict) else self.cfg
+        write_durable(tmp / CONFIG_FILE, json.dumps(cfg_dict, indent=2, sort_keys=True))
+        marker = {"step": step, "world": self.rt.world, "format": FORMAT_VERSION}
+        write_durable(tmp / MARKER, json.dumps(marker))
+        fsync_dir(tmp)
+        if final.exists():
+            _remove(final)  # the same step from an abandoned continuation (a resume from older)
+        tmp.rename(final)
+        fsync_dir(self.root)
+        self._retain(step)
+
+    def _retain(self, step: int) -> None:
+        """Keep the newest `keep` checkpoints. Checkpoints past `step` belong to a continuation that
+        a resume from an older checkpoint abandoned (its metrics were truncated too): removed."""
+        done = list_checkpoints(self.root)
+        abandoned = [p for p in done if checkpoint_step(p) > step]
+        current = [p for p in done if checkpoint_step(p) <= step]
+        for path in abandoned + current[: max(0, len(current) - self.keep)]:
+            try:
+                _remove(path)
+            except OSError as err:
+                self._say(f"could not remove old checkpoint {path}: {first_line(err)}")
+
+    # --- async completion ---
+    def _poll(self) -> None:
+        if self.pending is not None and self.pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        future, tmp, final, step, record = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except DCP_ERRORS as err:
+            raise self._failed(tmp, err) from None
+        if self.rt.is_main:
+            try:
+                self._publish(tmp, final, step, record)
+            except OSError as err:
+                raise self._failed(tmp, err) from None
+
+    def close(self) -> None:
+        """Wait for an async save still in flight and publish it."""
+        self._finish_pending()
+

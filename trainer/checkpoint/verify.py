@@ -1,0 +1,208 @@
+"""Reading a checkpoint without trusting it, and checking it before any tensor is loaded.
+
+DCP's `.metadata` index is a pickle: it is read with an unpickler that admits DCP's own metadata
+classes and nothing else, and every DCP load here goes through `SafeReader`, which reads the
+index that way. The checks name the checkpoint and what is wrong with it in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from trainer.checkpoint.layout import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    MARKER,
+    METADATA_FILE,
+    STATE_FILE,
+    is_complete,
+)
+from trainer.errors import CheckpointError
+from trainer.io import first_line
+
+# DCP warns on every single-process save and load (an async one warns from its thread); that is
+# the intended use here. Process-wide, and installed here because every module that saves or
+# loads with DCP (manager, weights) imports this one.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+# DCP reports a failure on any rank as CheckpointException, a BaseException.
+DCP_ERRORS = (Exception, CheckpointException)
+# Model fields that must agree between a checkpoint and the run that loads it.
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle; this admits DCP's own metadata classes and nothing else."""
+
+    ALLOWED_MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+    )
+    ALLOWED = {
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a torch.layout from its name
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("builtins", "getattr"),  # dtypes pickle as getattr(torch, "float32"); checked below
+    }
+
+    def find_class(self, module: str, name: str):
+        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:
+            if (module, name) == ("builtins", "getattr"):
+                return _safe_getattr
+            if module in self.ALLOWED_MODULES and name.startswith("__"):
+                raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+def _safe_getattr(obj, name):
+    if obj is torch and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is not allowed in a checkpoint index")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's index of a checkpoint, read with the restricted unpickler."""
+    try:
+        with open(Path(path) / METADATA_FILE, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {METADATA_FILE} (an incomplete save)") from None
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path} has a corrupt {METADATA_FILE}: {first_line(err)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path} has a corrupt {METADATA_FILE} (not a DCP index)")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` goes through the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)  # per-rank metadata: not used by dtrain
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path.parent} has no {path.name} ({what}); it is incomplete"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path.parent} has a corrupt {path.name}: {first_line(err)}") from None
+
+
+def read_checkpoint_config(ckpt: Path) -> dict:
+    """The resolved config recorded by the run that wrote the checkpoint."""
+    return read_json(Path(ckpt) / CONFIG_FILE, "the run's config")
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    return read_json(Path(ckpt) / STATE_FILE, "step, data position and RNG states")
+
+
+def check_files(ckpt: Path, metadata: Metadata) -> None:
+    """Every shard file the index names exists and is long enough (catches missing or truncated
+    shards before any rank starts reading)."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = Path(ckpt) / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is missing shard file {name}; it is corrupt or partial")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(
+                f"checkpoint {ckpt} has a truncated shard file {name} ({size:,} bytes, needs {end:,}); "
+                "it is corrupt or partial"
+            )
+
+
+def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
+    saved = saved_cfg.get("model", {})
+    diffs = [
+        f"{k}={saved.get(k)!r} vs {model_cfg[k]!r}" for k in MODEL_FIELDS if saved.get(k) != model_cfg[k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written for another model (model={saved.get('name')!r}: "
+            f"{', '.join(diffs)} in this run); resume with the same model settings or use a new run dir"
+        )
+
+
+def flatten_state(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The dotted keys DCP stores a nested dict of tensors under."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_state(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_template(ckpt: Path, metadata: Metadata, flat_template: dict[str, torch.Tensor]) -> None:
+    """Every tensor the load asks for is a tensor of the same shape in the checkpoint.
+
+    A key stored as bytes would make DCP unpickle it; refusing it here keeps loading pickle-free.
+    """
+    entries = metadata.state_dict_metadata
+    for key, tensor in flat_template.items():
+        entry = entries.get(key)
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {ckpt} has no entry {key!r}; it was written by another model or version"
+            )
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(
+                f"checkpoint {ckpt} stores {key!r} as a pickled object, not a tensor; refusing it"
+            )
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds {key} of shape {list(entry.size)} but this model's is "
+                f"{list(tensor.shape)}; it was written for another model size"
+            )
+
+
+def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple[Metadata, dict, dict]:
+    """Check a checkpoint before loading it; returns (DCP metadata, trainer state, config)."""
+    ckpt = Path(ckpt)
+    if not is_complete(ckpt):
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker or {METADATA_FILE})")
+    metadata = read_metadata(ckpt)
+    state = read_trainer_state(ckpt)
+    cfg = read_checkpoint_config(ckpt)
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {ckpt} has format {state.get('format')!r}; this dtrain reads {FORMAT_VERSION}"
+        )
+    if model_cfg is not None:
+        check_model_config(ckpt, cfg, model_cfg)
+    check_files(ckpt, metadata)
+    return metadata, state, cfg

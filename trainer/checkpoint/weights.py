@@ -1,0 +1,111 @@
+"""A checkpoint's weights in a plain GPT, without a training run: for eval, sample and export.
+
+The load is local to this process (no collectives): a checkpoint written by any mode at any world
+size loads here, with or without a process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint.layout import (
+    CHECKPOINT_DIR,
+    checkpoint_step,
+    is_complete,
+    list_checkpoints,
+    resolve_checkpoint,
+    step_dir_name,
+)
+from trainer.checkpoint.verify import (
+    DCP_ERRORS,
+    SafeReader,
+    check_files,
+    check_template,
+    flatten_state,
+    read_checkpoint_config,
+    read_metadata,
+)
+from trainer.config import from_dict
+from trainer.errors import CheckpointError
+from trainer.io import first_line
+from trainer.model import build_model
+from trainer.parallel.base import tied_aliases
+
+
+def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
+    """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process."""
+    ckpt_dir = Path(ckpt_dir)
+    metadata = read_metadata(ckpt_dir)
+    check_files(ckpt_dir, metadata)
+    aliases = tied_aliases(model)
+    template = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    check_template(ckpt_dir, metadata, flatten_state({"model": template}))
+    try:
+        dcp.load({"model": template}, storage_reader=SafeReader(ckpt_dir), no_dist=True)
+    except CheckpointError:
+        raise
+    except DCP_ERRORS as err:
+        raise CheckpointError(f"checkpoint {ckpt_dir} could not be read: {first_line(err)}") from None
+    model.load_state_dict({**template, **{a: template[n] for a, n in aliases.items()}})
+
+
+def model_from_run(run_dir: Path, step: int | None = None, device: str | torch.device = "cpu"):
+    """(GPT with the checkpoint's weights in eval mode, the run's config) for a run directory.
+
+    `step=None` takes the newest complete checkpoint; `run_dir` may also be a checkpoint folder.
+    """
+    run_dir = Path(run_dir)
+    if step is None:
+        ckpt = resolve_checkpoint(run_dir)
+    else:
+        ckpt = run_dir / CHECKPOINT_DIR / step_dir_name(step)
+        if not is_complete(ckpt):
+            steps = [checkpoint_step(p) for p in list_checkpoints(run_dir / CHECKPOINT_DIR)]
+            raise CheckpointError(
+                f"{run_dir} has no complete checkpoint at step {step}; it has steps {steps or 'none'}"
+            )
+    cfg = from_dict(read_checkpoint_config(ckpt))
+    model = build_model(cfg.model)
+    load_model_weights(model, ckpt)
+    return model.to(device).eval(), cfg
+
+
+def eval_weights_path(run_dir: Path, ckpt: str | None) -> str:
+    """ckpt= as given (a state_dict file, a step_* folder, a run dir), else the run's newest checkpoint."""
+    if ckpt:
+        path = Path(ckpt).expanduser().absolute()
+        return str(path if path.is_file() else resolve_checkpoint(path))
+    try:
+        return str(resolve_checkpoint(run_dir))
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; or pass ckpt=PATH (a checkpoint or a state_dict file)") from None
+
+
+def load_weights(model: torch.nn.Module, weights: str) -> None:
+    """Full weights into a plain GPT: a checkpoint directory (any world size / mode) or a state_dict file
+    (torch.save of GPT.state_dict(), possibly under "model" and with DDP's or compile's prefixes)."""
+    path = Path(weights)
+    if not path.is_file():
+        load_model_weights(model, path)
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {path} as a state_dict ({type(err).__name__})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{path} does not fit the run's model ({' '.join(str(err).split()[:30])} ...)"
+        ) from None
+
+
+def weights_step(weights: str) -> int | None:
+    """The training step of a checkpoint folder; None for a state_dict file."""
+    return checkpoint_step(Path(weights)) if Path(weights).is_dir() else None
