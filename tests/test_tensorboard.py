@@ -41,12 +41,13 @@ def test_tensorboard_logger_writes_the_metrics_as_scalars(data_dir, tmp_path):
 
 def test_a_resumed_logger_drops_events_past_the_resumed_step(tmp_path):
     from trainer.metrics import MetricsLogger
+    from trainer.trackers import TensorBoardSink
 
-    first = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
+    first = MetricsLogger(tmp_path, enabled=True, sinks=[TensorBoardSink(tmp_path)])
     for step in range(1, 7):
         first.log({"step": step, "tokens": step * 10, "loss": float(step)})
     first.close()
-    resumed = MetricsLogger(tmp_path, enabled=True, resume_step=3, tensorboard=True)
+    resumed = MetricsLogger(tmp_path, enabled=True, resume_step=3, sinks=[TensorBoardSink(tmp_path, 3)])
     for step in (4, 5):
         resumed.log({"step": step, "tokens": step * 10, "loss": 100.0 + step})
     resumed.close()

@@ -20,6 +20,7 @@ from trainer.model import build_model
 from trainer.optim import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
+from trainer.trackers import open_trackers
 
 
 @dataclass
@@ -162,7 +163,8 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
         checkpointer.restore(run)
     state = run.state
     start_step = state.step
-    metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, tensorboard=cfg.logger == "tensorboard")
+    sinks = open_trackers(cfg.logger, run_dir, start_step) if rt.is_main else []
+    metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, sinks=sinks)
     view = ProgressView(rt.is_main, t.max_steps, start_step, bar=t.progress)
     if rt.is_main:
         n_params = run.strategy.unwrap(run.model).num_params()

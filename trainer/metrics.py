@@ -46,26 +46,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 class MetricsLogger:
     """Appends one JSON object per log line; a no-op on ranks other than 0."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0, sinks=()):
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self._file = None
-        self._tb = None
+        self.sinks = list(sinks)  # experiment trackers (trainer/trackers.py) get every record too
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step or self.path.exists():
             self._truncate_after(resume_step)
         self._file = self.path.open("a", buffering=1)
-        if tensorboard:
-            require_tracker("tensorboard")
-            # an optional extra, and it imports torch: only for runs that log to TensorBoard
-            from torch.utils.tensorboard import SummaryWriter
-
-            # TensorBoard hides events at steps >= purge_step (the resumed step itself is kept), as
-            # metrics.jsonl drops the lines past it.
-            purge_step = resume_step + 1 if resume_step else None
-            self._tb = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines past the resumed step, so a resume logs no step twice and none is missing."""
@@ -78,19 +69,16 @@ class MetricsLogger:
         record = {k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else v) for k, v in record.items()}
         record.setdefault("time", round(time.time(), 3))
         self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+        for sink in self.sinks:
+            sink.log(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 class ProgressView:
