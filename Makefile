@@ -43,8 +43,10 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 test: setup ## run the test suite (real multi-process gloo tests included)
 	$(VENV)/bin/pytest -q $(ARGS)
 
-lint: setup ## ruff
+lint: setup ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
 	$(VENV)/bin/ruff check trainer tests scripts
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/vulture trainer --min-confidence 80
 
 smoke: smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp ## a few steps of every parallel mode
 smoke-none: setup ## a few steps, one process

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import run_dtrain, tiny_args
+from conftest import REPO, dtrain_env, run_dtrain, tiny_args
 
 
 def assert_user_error(proc, *needles):
@@ -106,3 +108,37 @@ def test_unreachable_rendezvous_fails_within_bounded_time(data_dir, tmp_path):
                                 "launch.rdzv_endpoint=127.0.0.1:29811", "launch.rdzv_timeout=5"), timeout=120)
     assert_user_error(proc, "rendezvous", "127.0.0.1:29811")
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "eval", "sample", "export", "report", "plan"])
+def test_every_command_has_help_and_refuses_an_unknown_flag(command, tmp_path):
+    proc = run_dtrain([command, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout.lower() or "powered by hydra" in proc.stdout.lower(), proc.stdout
+    path = [] if command in ("train", "prepare", "plan") else [str(tmp_path)]  # the commands' RUN_DIR / PATH
+    assert_user_error(run_dtrain([command, *path, "--no-such-flag"]), "--no-such-flag")
+
+
+CHECK_WITHOUT_TORCH = """
+import sys
+from trainer.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    print("exit", exit.code, "torch loaded" if "torch" in sys.modules else "no torch", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("problem", [
+    ["train.max_steps=0"],  # a config error
+    ["data.name=absent"],  # a data-path error
+    ["parallel.mode=tp"],
+])
+def test_a_user_error_arrives_before_torch_is_imported(problem, data_dir, tmp_path):
+    """The checking layer (cli, compose, config, run-dir checks, data checks) imports no torch, so
+    the one line arrives in less time than `import torch` alone takes."""
+    args = tiny_args(data_dir, tmp_path / "run", *problem)
+    proc = subprocess.run([sys.executable, "-c", CHECK_WITHOUT_TORCH, *args], cwd=REPO, capture_output=True,
+                          text=True, env=dtrain_env(), timeout=120)
+    assert "error:" in proc.stderr and "exit 2 no torch" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -96,13 +96,15 @@ class Run:
 
     # --- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step: the scheduled lr, the micro-steps, then clip and update. Returns (mean
-        loss, grad norm, lr) on device; nothing here waits for the device, so logging decides when
+        """One optimizer step: the scheduled lr, the micro-steps, then clip, update and count the step
+        in `state`. Returns (mean loss, grad norm, lr) on device; nothing here waits for the device, so logging decides when
         to sync. Its two phases are methods of their own so that benchmarks time this very code."""
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         set_lr(self.optimizer, lr)
         loss = self.forward_backward()
         grad_norm = self.optimizer_step()
+        self.state.step = step + 1
+        self.state.tokens += self.plan.total_batch_size
         return loss, grad_norm, lr
 
     def forward_backward(self) -> torch.Tensor:
@@ -180,10 +182,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     steps.restart_window(t_start)
     try:
         for step in range(start_step, t.max_steps):
-            loss, grad_norm, lr = run.train_step(step)
-            state.step = step + 1
-            state.tokens += run.plan.total_batch_size
-            steps.after_step(loss, grad_norm, lr)
+            steps.after_step(*run.train_step(step))
             last = state.step == t.max_steps
             if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
                 val = run.val_loss()
@@ -244,7 +243,7 @@ class StepLog:
         self.tokens_window = 0
 
     def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        """Count the step the loop just completed; log it when due."""
+        """Account for the step Run.train_step just completed; log it when due."""
         state = self.run.state
         self.tokens_window += self.tokens_per_step
         self.trained_tokens += self.tokens_per_step

@@ -101,7 +101,7 @@ def _vs_bare(cfg, rt: Runtime, rounds: int, block: int, warmup: int) -> dict:
         def dtrain_block(n):
             for _ in range(n):
                 s = counters["dtrain"]
-                steplog.after_step(s, *run.train_step(s))
+                steplog.after_step(*run.train_step(s))
                 counters["dtrain"] += 1
 
         def bare_block(n):

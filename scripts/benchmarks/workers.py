@@ -59,7 +59,7 @@ def _measure(cfg, rt: Runtime, steps: int, warmup: int) -> dict:
         run = Run(cfg, rt, Path(run_dir))
         steplog, metrics = step_bookkeeping(run, Path(run_dir))
         for step in range(warmup):  # first steps allocate gradients and optimizer state
-            steplog.after_step(step, *run.train_step(step))
+            steplog.after_step(*run.train_step(step))
         elapsed = _throughput(run, steplog, first_step=warmup, steps=steps)
         peak_bytes = peak.peak_growth()
         metrics.close()
@@ -93,7 +93,7 @@ def _throughput(run: Run, steplog: StepLog, first_step: int, steps: int) -> floa
     t0 = time.perf_counter()
     for step in range(first_step, first_step + steps):
         loss, grad_norm, lr = run.train_step(step)
-        steplog.after_step(step, loss, grad_norm, lr)
+        steplog.after_step(loss, grad_norm, lr)
     run.rt.all_reduce_mean(loss).item()
     return time.perf_counter() - t0
 

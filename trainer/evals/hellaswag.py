@@ -292,15 +292,8 @@ class HellaSwagEval:
         limit = cfg.eval.limit
         if limit is not None and limit < 1:
             raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")
-        examples, problem = None, None
-        if rt.is_main:
-            try:
-                examples = read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit)
-            except DataError as err:
-                problem = str(err)
-        examples, problem = rt.broadcast_object((examples, problem))
-        if problem:
-            raise DataError(problem)
+        examples = rt.from_main(lambda: read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit),
+                                error=DataError)
         return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size)
 
     @property
