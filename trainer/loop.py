@@ -97,8 +97,9 @@ class Run:
     # --- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step: the scheduled lr, the micro-steps, then clip, update and count the step
-        in `state`. Returns (mean loss, grad norm, lr) on device; nothing here waits for the device, so logging decides when
-        to sync. Its two phases are methods of their own so that benchmarks time this very code."""
+        in `state`. Returns (mean loss, grad norm, lr) on device; nothing here waits for the device,
+        so logging decides when to sync. Its two phases are methods of their own so that
+        benchmarks time this very code."""
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         set_lr(self.optimizer, lr)
         loss = self.forward_backward()
