@@ -5,19 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.console import Console
+
 from trainer.config import batch_plan, to_dict, validate
 from trainer.data.prepare import prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.errors import DataError
 from trainer.metrics import require_tracker
-from trainer.rundir import check_run_dir, write_config_record
+from trainer.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
 
 
-def check_run(cfg, run_dir: Path, world: int) -> None:
-    """Validate the config, the run directory, the data, the tokenizer and the logger's package."""
+def check_run(cfg, run_dir: Path, world: int) -> RunDirState:
+    """Validate the config, the run directory, the data, the tokenizer and the logger's package;
+    returns what the run directory holds for this run (new, to continue, or finished)."""
     validate(cfg)
-    check_run_dir(run_dir, cfg.resume)
+    state = check_run_dir(run_dir, cfg.resume, to_dict(cfg))
     if cfg.data.auto_prepare:
         prepare(cfg.data)  # a quick no-op once prepared with the same settings
     plan = batch_plan(cfg, world)
@@ -33,9 +36,21 @@ def check_run(cfg, run_dir: Path, world: int) -> None:
     if cfg.train.sample_tokens > 0:
         gpt2_encoding()
     require_tracker(cfg.logger)
+    return state
 
 
-def preflight(cfg, run_dir: Path, world: int) -> None:
-    """Every check, then the resolved config recorded in the run directory."""
-    check_run(cfg, run_dir, world)
-    write_config_record(run_dir, to_dict(cfg))
+def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
+    """Every check under the run directory's lock, then (unless the run is finished) the directory
+    claimed and the resolved config recorded; returns what the run directory held."""
+    lock.probe()
+    state = check_run(cfg, run_dir, world)
+    if state is not RunDirState.FINISHED:
+        lock.claim()
+        record_config(cfg, run_dir)
+    return state
+
+
+def record_config(cfg, run_dir: Path) -> None:
+    note = write_config_record(run_dir, to_dict(cfg))
+    if note:
+        Console(stderr=True).print(f"dtrain: {note}", highlight=False, soft_wrap=True)

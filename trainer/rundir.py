@@ -1,53 +1,156 @@
-"""The run directory: what counts as another run's outputs, and the resolved config record.
+"""The run directory: one run per directory, what a directory already holds, and the config record.
+
+A run directory belongs to one run: the command that made it (the same resolved config) continues
+it after a crash, from its newest checkpoint or from the start; a finished run is not run again;
+another run's outputs are never touched. While a run is alive its driver holds an OS lock on the
+directory (flock on the folder itself, so taking it writes nothing), which the OS releases when
+the process dies, kill -9 included.
 
 Torch-free (the CLI checks a run directory before torch is imported, so a mistake is reported fast).
 """
 
 from __future__ import annotations
 
+import enum
+import fcntl
 import json
 import os
 from pathlib import Path
+from typing import Any
 
-from trainer.checkpoint.layout import has_checkpoint, resolve_checkpoint
+from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
 from trainer.env import restart_count
 from trainer.errors import UserError
-from trainer.io import write_atomic
-from trainer.metrics import METRICS_FILE
+from trainer.io import one_line, write_atomic
+from trainer.metrics import METRICS_FILE, read_metrics
 
 CONFIG_RECORD = "resolved_config.json"
+# Settings that say how a run is launched, not what it trains: a continuation may change them
+# (resuming at another world size or in another mode reshards the checkpoint).
+HOW_LAUNCHED = ("launch.", "world", "parallel.", "resume", "train.progress", "train.device",
+                "checkpoint.async_save", "sweep.")
 
 
-def check_run_dir(run_dir: Path, resume: str) -> None:
-    """Refuse to start where another run already wrote, unless this run is resuming it.
+class RunDirState(enum.Enum):
+    NEW = "new"  # nothing of a run there yet
+    CONTINUE = "continue"  # this run's own outputs: go on from its newest checkpoint (or the start)
+    FINISHED = "finished"  # this run already reached train.max_steps
 
-    resume=auto continues the newest complete checkpoint of run_dir; resume=never refuses a run
-    directory with outputs; resume=PATH must name a complete checkpoint (or a run directory with
-    one). A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always
-    continues its own outputs.
+
+def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> RunDirState:
+    """What run_dir holds for a run of `config` (the resolved config as plain data), or a UserError
+    when it belongs to another run.
+
+    resume=auto continues this run's own outputs; resume=never refuses a directory with outputs;
+    resume=PATH must name a complete checkpoint (or a run directory with one). Without `config`
+    nothing tells this run's leftovers from another run's, so only a checkpoint can be continued.
+    A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always continues.
     """
     if restart_count() > 0:
-        return
+        return RunDirState.CONTINUE
     if resume not in ("auto", "never"):
         resolve_checkpoint(resume)  # raises CheckpointError naming what is wrong with PATH
-        return
-    if not (run_dir / METRICS_FILE).exists() and not has_checkpoint(run_dir, complete=False):
-        return
+    has_outputs = (run_dir / METRICS_FILE).exists() or has_checkpoint(run_dir, complete=False)
+    if not has_outputs:
+        return RunDirState.NEW
     if resume == "never":
         raise UserError(
             f"run directory {run_dir} already holds a run's outputs and resume=never; "
             "choose another hydra.run.dir= or remove that directory"
         )
-    if not has_checkpoint(run_dir):
+    recorded = _read_record(run_dir)
+    if config is None or recorded is None:
+        if resume == "auto" and not has_checkpoint(run_dir):
+            raise UserError(
+                f"run directory {run_dir} already holds another run's outputs (metrics.jsonl, no complete "
+                "checkpoint to resume); choose another hydra.run.dir= or remove that directory"
+            )
+        return RunDirState.CONTINUE
+    _check_same_run(run_dir, recorded, config)
+    return RunDirState.FINISHED if _finished(run_dir, config) else RunDirState.CONTINUE
+
+
+def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
+    was, now = _flatten(recorded), _flatten(config)
+    steps_key = "train.max_steps"
+    if was.get(steps_key) != now.get(steps_key):
         raise UserError(
-            f"run directory {run_dir} already holds another run's outputs (metrics.jsonl, no complete "
-            "checkpoint to resume); choose another hydra.run.dir= or remove that directory"
+            f"run directory {run_dir} holds a run with train.max_steps={was.get(steps_key)}, not "
+            f"{now.get(steps_key)}: its learning-rate schedule depends on it; repeat "
+            f"train.max_steps={was.get(steps_key)} to continue it, or choose another hydra.run.dir="
+        )
+    differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not k.startswith(HOW_LAUNCHED)]
+    if differ:
+        shown = ", ".join(f"{k}={_short(was.get(k))} there vs {_short(now.get(k))}" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise UserError(
+            f"run directory {run_dir} already holds another run's outputs ({shown}{more}); "
+            f"repeat that run's settings ({run_dir / CONFIG_RECORD}) to continue it, or choose another "
+            "hydra.run.dir="
         )
 
 
-def write_config_record(run_dir: Path, cfg_dict: dict) -> None:
+def _finished(run_dir: Path, config: dict) -> bool:
+    """The run logged its end-of-run summary at train.max_steps (and a checkpoint, if any, agrees)."""
+    summary = [r for r in read_metrics(run_dir / METRICS_FILE) if isinstance(r.get("summary"), dict)]
+    if not summary or summary[-1].get("step") != config["train"]["max_steps"]:
+        return False
+    newest = latest_checkpoint(run_dir)
+    return newest is None or checkpoint_step(newest) == config["train"]["max_steps"]
+
+
+def finished_message(run_dir: Path) -> str:
+    records = read_metrics(run_dir / METRICS_FILE)
+    summary = next(r["summary"] for r in reversed(records) if isinstance(r.get("summary"), dict))
+    best = summary.get("best_val_loss")
+    best_text = f", best val loss {best:.4f}" if isinstance(best, (int, float)) else ""
+    return (f"run {run_dir} already finished (step {summary.get('steps')}, final train loss "
+            f"{summary.get('final_loss', float('nan')):.4f}{best_text}); nothing to do. A longer run needs "
+            "its own hydra.run.dir= (and resume=PATH to start from this one's checkpoint)")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_record(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / CONFIG_RECORD).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {run_dir / CONFIG_RECORD} ({one_line(err)}); it records the run "
+                        "that owns this directory: restore it, or choose another hydra.run.dir=") from None
+
+
+def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
+    """Record the resolved config; when it replaces a different record (a continuation launched
+    another way), returns a line saying what changed, for the caller to print (never silent)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / CONFIG_RECORD, json.dumps(cfg_dict, indent=2, sort_keys=True), mode=_new_file_mode())
+    text = json.dumps(cfg_dict, indent=2, sort_keys=True)
+    path = run_dir / CONFIG_RECORD
+    previous = _read_record(run_dir)
+    if previous is not None and json.dumps(previous, indent=2, sort_keys=True) == text:
+        return None
+    write_atomic(path, text, mode=_new_file_mode())
+    if previous is None:
+        return None
+    was, now = _flatten(previous), _flatten(cfg_dict)
+    changed = [f"{k} {_short(was.get(k))} -> {_short(now.get(k))}" for k in sorted(set(was) | set(now))
+               if was.get(k) != now.get(k)]
+    return f"continuing the run in {run_dir}, launched differently: {', '.join(changed)} ({CONFIG_RECORD} updated)"
 
 
 def _new_file_mode() -> int:
@@ -65,3 +168,66 @@ def read_config_record(run_dir: Path) -> dict:
             f"{run_dir} is not a dtrain run directory (no {CONFIG_RECORD}); pass a run's output folder"
         )
     return json.loads(path.read_text())
+
+
+# --- one run per directory ---------------------------------------------------------------------
+class RunDirLock:
+    """An OS lock (flock) on the run directory itself, held by the driver for the run's life.
+
+    `probe()` takes it if the directory exists (writing nothing), so a second run there is refused
+    before any check reads the directory; `claim()` creates the directory if needed and takes it.
+    The OS releases it when the process ends in any way."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.fd: int | None = None
+
+    def probe(self) -> RunDirLock:
+        if self.run_dir.is_dir():
+            self._take()
+        return self
+
+    def claim(self) -> None:
+        if self.fd is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._take()
+
+    def _take(self) -> None:
+        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = _lock_holder(self.run_dir)
+            who = f" (pid {holder})" if holder else ""
+            raise UserError(
+                f"run directory {self.run_dir} is in use by another dtrain run{who}; wait for it to end, "
+                "or choose another hydra.run.dir="
+            ) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.probe()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_holder(path: Path) -> int | None:
+    """The pid holding a flock on `path`, from /proc/locks (Linux), or None."""
+    try:
+        st = os.stat(path)
+        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+                return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None
+

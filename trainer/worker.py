@@ -12,6 +12,7 @@ from trainer.config import from_dict
 from trainer.loop import train
 from trainer.parallel import strategy_class
 from trainer.preflight import preflight
+from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.runtime import init_runtime
 
 
@@ -29,13 +30,18 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
         cfg.launch.timeout_s,
         cfg.launch.threads_per_worker,
     )
+    lock = RunDirLock(Path(run_dir))  # plain torchrun: rank 0 holds the run directory's lock
     try:
         if not preflight_done:
             def prepare_run():
-                preflight(cfg, Path(run_dir), rt.world)
-                return cfg_dict, run_dir
+                finished = preflight(cfg, Path(run_dir), rt.world, lock) is RunDirState.FINISHED
+                if finished:
+                    print(f"dtrain: {finished_message(Path(run_dir))}", flush=True)
+                return cfg_dict, run_dir, finished
 
-            cfg_dict, run_dir = rt.from_main(prepare_run)
+            cfg_dict, run_dir, finished = rt.from_main(prepare_run)
+            if finished:
+                return {}
             cfg = from_dict(cfg_dict)
         result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
         return asdict(result)
@@ -47,3 +53,4 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     finally:
         gc.collect()
         rt.shutdown()
+        lock.release()

@@ -26,8 +26,8 @@ from rich.console import Console
 from trainer.compose import CONFIG_NAME, compose, compose_run, is_informational, split_args, sweep_points
 from trainer.config import CONF_DIR, register_configs, requested_world, to_dict, validate
 from trainer.env import is_secondary_rank, under_torchrun
-from trainer.preflight import check_run, preflight
-from trainer.rundir import write_config_record
+from trainer.preflight import check_run, preflight, record_config
+from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
@@ -53,15 +53,25 @@ def _single_run(overrides: list[str]) -> None:
         overrides = [*overrides, f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
     hydra_app, cfg = compose_run(overrides)
     job_cfg = _without_hydra(cfg)
-    if under_torchrun():  # rank 0 checks the run inside the worker and tells the others
+    if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
         validate(job_cfg)
-    else:
-        world = requested_world(job_cfg)
-        check_run(job_cfg, Path(cfg.hydra.run.dir).absolute(), world)
+        _run_job(hydra_app, cfg)
+        return
+    world = requested_world(job_cfg)
+    run_dir = Path(cfg.hydra.run.dir).absolute()
+    with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
+        if check_run(job_cfg, run_dir, world) is RunDirState.FINISHED:
+            Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
+            return
         check_mode(job_cfg, world)
+        lock.claim()
+        _run_job(hydra_app, cfg)
+
+
+def _run_job(hydra_app, cfg) -> None:
+    """Hydra's own run_job: makes the run directory, writes .hydra/ and dtrain.log, calls
+    train_job; the exception a run ended with comes back in the job's return value."""
     context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
-    # Hydra's run_job makes the run directory, writes .hydra/ and dtrain.log, then calls train_job;
-    # a failure inside comes back in the job's return value.
     job = run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
                   hydra_context=context)
     _ = job.return_value  # raises the exception the run ended with
@@ -123,7 +133,8 @@ def train_job(cfg) -> float:
 
 def run_training(cfg, run_dir: Path, checked: bool) -> dict:
     """Train with cfg in run_dir on the requested workers; returns rank 0's figures. `checked`:
-    this process already ran every check (a single run checks before Hydra writes anything)."""
+    this process already checked and claimed the run directory (a single run does so before
+    Hydra writes anything); a sweep point is checked and claimed here."""
     # the torch side of dtrain: imported once the checks have passed
     from trainer.launch import run_workers
     from trainer.worker import worker_main
@@ -133,9 +144,10 @@ def run_training(cfg, run_dir: Path, checked: bool) -> dict:
     if under_torchrun():
         return worker_main(cfg_dict, str(run_dir), preflight_done=False)
     if checked:
-        write_config_record(run_dir, cfg_dict)
-    else:
-        preflight(cfg, run_dir, world)
+        record_config(cfg, run_dir)
+        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
+    with RunDirLock(run_dir) as lock:
+        if preflight(cfg, run_dir, world, lock) is RunDirState.FINISHED:
+            return {}
         check_mode(cfg, world)
-    return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
-
+        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
