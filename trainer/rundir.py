@@ -14,6 +14,7 @@ from trainer.env import restart_count
 from trainer.errors import UserError
 from trainer.io import write_atomic
 from trainer.metrics import METRICS_FILE
+from trainer.writable import check_writable_dir
 
 CONFIG_RECORD = "resolved_config.json"
 
@@ -25,7 +26,9 @@ def check_run_dir(run_dir: Path, resume: str) -> None:
     directory with outputs; resume=PATH must name a complete checkpoint (or a run directory with
     one). A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always
     continues its own outputs.
+    The folder must be writable (see trainer.writable.check_writable_dir).
     """
+    check_writable_dir(run_dir, f"run directory {run_dir}", "choose another hydra.run.dir=")
     if restart_count() > 0:
         return
     if resume not in ("auto", "never"):
