@@ -69,7 +69,7 @@ def bench_worker(cfg_dict: dict) -> list[dict]:
 
 def _bench(cfg, rt) -> dict:
     torch.manual_seed(cfg.train.seed)
-    strategy = make_strategy(cfg.parallel, cfg.train, rt)
+    strategy = make_strategy(cfg.parallel, cfg.train, rt, training=False)
     model = strategy.wrap(build_model(cfg.model))
     examples = read_examples(cfg.eval.hellaswag.path, cfg.eval.limit)
     B, block = cfg.eval.hellaswag.batch_examples, cfg.model.block_size

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -143,3 +146,63 @@ def test_export_into_run_dir_by_default(trained):
     run_dir, _ = trained
     cmd_export([str(run_dir)])
     assert (Path(run_dir) / "export" / "model.safetensors").is_file()
+
+
+def _chattr(path: Path, on: bool) -> bool:
+    if not shutil.which("chattr"):
+        return False
+    return subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True).returncode == 0
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+# --- dtrain export --out --------------------------------------------------------------------------
+def _export_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return " ".join(err.split())
+
+
+def test_export_onto_an_existing_file_is_refused(trained, tmp_path, capsys):
+    target = tmp_path / "model.bin"
+    target.write_text("mine\n")
+    err = _export_error([str(trained[0]), "--out", str(target)], capsys)
+    assert f"--out {target}: {target} is a file, not a folder; choose another --out DIR" in err, err
+    assert target.read_text() == "mine\n"
+
+
+def test_export_into_a_read_only_folder_is_refused(trained, tmp_path, capsys):
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    if not _chattr(frozen, True):
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        for out in (frozen, frozen / "hf"):  # into it, and a new folder inside it
+            err = _export_error([str(trained[0]), "--out", str(out)], capsys)
+            assert f"the folder {frozen} cannot be written" in err and "choose another --out DIR" in err, err
+        assert list(frozen.iterdir()) == []
+    finally:
+        _chattr(frozen, False)
+
+
+def test_export_onto_a_disk_that_fills_up(trained, tmp_path, capsys):
+    """Room for the pre-flight check (over 1 MiB free) but not for the 13 MB of weights: one line, and
+    neither the half-written file nor the folder the export made is left."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "4m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN) to fill a disk")
+    try:
+        err = _export_error([str(trained[0]), "--out", str(disk / "hf")], capsys)
+        assert f"no space left on the disk holding {disk / 'hf'}" in err and "choose another --out DIR" in err, err
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -11,6 +11,7 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -58,6 +59,8 @@ def hydra_error_text(err: Exception) -> str:
     text = str(err)
     if "Available options in" in text:
         head, options = text.split("Available options in", 1)
+        # the options, without the config search path Hydra lists after them
+        options = options.split("Config search path:", 1)[0]
         names = [w.strip() for w in options.split("\n")[1:] if w.strip()]
         return f"{head.strip().splitlines()[-1]}; available: {', '.join(names)}"
     parts = [line.strip() for line in text.splitlines() if line.strip()]
@@ -67,8 +70,30 @@ def hydra_error_text(err: Exception) -> str:
     return "; ".join(dict.fromkeys(parts))
 
 
-def _user_error(err: Exception) -> Exception:
+def unquoted_non_ascii(overrides: list[str]) -> str | None:
+    """The first override whose value has non-ASCII characters outside quotes: Hydra's override
+    lexer takes them only in a quoted string, and otherwise fails with a bare
+    `LexerNoViableAltException` and a caret."""
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and not value.isascii() and not (len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]):
+            return override
+    return None
+
+
+def quote_hint(override: str) -> UserError:
+    key, _, value = override.partition("=")
+    return UserError(
+        f"{override} has non-ASCII characters, which Hydra's override syntax takes only in quotes; "
+        f"quote the value: '{key}=\"{value}\"' (the single quotes keep the double ones from the shell)"
+    )
+
+
+def _user_error(err: Exception, overrides: list[str]) -> Exception:
     """Hydra's and OmegaConf's errors are the user's config: a UserError; anything else stays."""
+    unquoted = unquoted_non_ascii(overrides)
+    if isinstance(err, OverrideParseException) and unquoted:
+        return quote_hint(unquoted)
     if isinstance(err, (OmegaConfBaseException, ValueError)):
         return UserError(f"bad config: {hydra_error_text(err)}; see `dtrain train --cfg job`")
     if type(err).__module__.startswith("hydra"):
@@ -84,7 +109,7 @@ def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConf
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=JOB_NAME):
             return hydra_compose(CONFIG_NAME, overrides=overrides, return_hydra_config=return_hydra_config)
     except Exception as err:
-        raise _user_error(err) from None
+        raise _user_error(err, overrides) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -98,7 +123,7 @@ def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
     try:
         cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=True)
     except Exception as err:
-        raise _user_error(err) from None
+        raise _user_error(err, overrides) from None
     cfg.hydra.mode = RunMode.RUN
     return hydra, cfg
 
@@ -108,6 +133,9 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as err:
+        unquoted = unquoted_non_ascii(overrides)
+        if isinstance(err, OverrideParseException) and unquoted:
+            raise quote_hint(unquoted) from None
         raise UserError(f"bad override: {hydra_error_text(err)}") from None
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [point for batch in batches for point in batch]

@@ -23,6 +23,7 @@ from trainer.env import restart_count
 from trainer.errors import UserError
 from trainer.io import one_line, write_atomic
 from trainer.metrics import METRICS_FILE, read_metrics
+from trainer.writable import check_writable_dir
 
 CONFIG_RECORD = "resolved_config.json"
 # Settings that say how a run is launched, not what it trains: a continuation may change them
@@ -45,7 +46,9 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     resume=PATH must name a complete checkpoint (or a run directory with one). Without `config`
     nothing tells this run's leftovers from another run's, so only a checkpoint can be continued.
     A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always continues.
+    The folder must be writable (see trainer.writable.check_writable_dir).
     """
+    check_writable_dir(run_dir, f"run directory {run_dir}", "choose another hydra.run.dir=")
     if restart_count() > 0:
         return RunDirState.CONTINUE
     if resume not in ("auto", "never"):

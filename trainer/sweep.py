@@ -45,6 +45,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
+from trainer.writable import check_writable_dir
 
 SUMMARY_FILE = "summary.jsonl"
 ERROR_FILE = "error.txt"
@@ -251,6 +252,7 @@ def pin_sweep_dir(args: list[str]) -> tuple[list[str], Path | None]:
     points = sweep_points(overrides)
     cfg = compose(points[0] if points else [], return_hydra_config=True)
     sweep_dir = Path(str(cfg.hydra.sweep.dir))
+    check_writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}", "choose another hydra.sweep.dir=")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
         value = str(sweep_dir).replace("'", "\\'")
         # beside the other overrides: Hydra's argparse takes them as one run of positionals

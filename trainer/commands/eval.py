@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainer.args import ArgParser
 from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
-from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
+from trainer.config import PARALLEL_MODES, LaunchConfig, check_ranges, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
@@ -111,6 +111,7 @@ def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
     except OmegaConfBaseException as err:
         message = " ".join(str(err).split()[:40])
         raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
+    check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
         raise ConfigError(f"parallel={mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
@@ -147,7 +148,7 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
     model = strategy = None
     try:
         torch.manual_seed(cfg.train.seed)
-        strategy = make_strategy(cfg.parallel, cfg.train, rt)
+        strategy = make_strategy(cfg.parallel, cfg.train, rt, training=False)
         model = build_model(cfg.model)
         load_weights(model, weights)
         model = strategy.wrap(model)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -24,8 +25,11 @@ from trainer.args import ArgParser, non_negative_int
 from trainer.checkpoint.weights import model_from_run
 from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
+from trainer.io import write_atomic
+from trainer.writable import check_writable_dir, write_errors_as_user_errors
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+OUT_FIX = "choose another --out DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,26 +87,49 @@ def hf_config(model, dtype: str = "float32") -> dict:
     }
 
 
-def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32") -> Path:
-    """Write out/model.safetensors and out/config.json from a run's checkpoint; returns out."""
+def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
+           out_label: str | None = None) -> Path:
+    """Write out/model.safetensors and out/config.json from a run's checkpoint; returns out.
+    `out_label` names the output folder in errors (default: `--out OUT`)."""
     try:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file  # the optional extra dtrain[export]: checked when used
     except ImportError:
         raise UserError(
             "dtrain export needs the safetensors package: pip install 'dtrain[export]' "
             "(or pip install safetensors)"
         ) from None
+    # a file at --out, a read-only folder or a full disk: one line before the weights are read
+    check_writable_dir(out, out_label or f"--out {out}", OUT_FIX)
     model, cfg = model_from_run(run_dir, step=step)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = hf_state_dict(model, DTYPES[dtype])
     tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o666 & ~umask)
-    tmp.replace(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
+    # the disk filling up while the weights are written: one line, and no half-written files left
+    with write_errors_as_user_errors(out, OUT_FIX):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            _save_safetensors(save_file, SafetensorError, tensors, tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o666 & ~umask)
+            tmp.replace(out / "model.safetensors")
+            write_atomic(out / "config.json", json.dumps(hf_config(model, dtype), indent=2) + "\n",
+                         mode=0o666 & ~umask)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
+
+
+def _save_safetensors(save_file, error_type, tensors: dict, path: Path) -> None:
+    """safetensors' save_file, its I/O failures (a full disk...) raised as the OSError they are: its
+    Rust side reports them as SafetensorError("... (os error 28)")."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except error_type as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def cmd_export(argv: list[str]) -> None:
@@ -117,5 +144,6 @@ def cmd_export(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).expanduser()
     out = Path(args.out).expanduser() if args.out else run_dir / "export"
-    export(run_dir, out, args.step, args.dtype)
+    label = f"--out {out}" if args.out else f"the default output folder {out} (RUN_DIR/export)"
+    export(run_dir, out, args.step, args.dtype, out_label=label)
     print(f"exported {run_dir} -> {out / 'model.safetensors'} and {out / 'config.json'}")

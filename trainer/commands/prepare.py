@@ -6,6 +6,7 @@ from rich.console import Console
 
 from trainer.args import ArgParser
 from trainer.compose import compose
+from trainer.config import check_ranges
 from trainer.data.prepare import prepare
 
 
@@ -17,5 +18,6 @@ def cmd_prepare(argv: list[str]) -> None:
     parser.add_argument("--force", action="store_true", help="prepare again even when already prepared")
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
+    check_ranges(cfg, ("data",))  # e.g. data.shard_tokens=0 would never fill a shard
     manifest = prepare(cfg.data, force=args.force)
     Console().print(f"[green]prepared[/] {cfg.data.name}: {manifest}")

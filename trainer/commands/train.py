@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from hydra._internal.callbacks import Callbacks
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import run_job
+from hydra.core.utils import JobReturn, run_job
 from hydra.types import HydraContext, RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
@@ -29,6 +29,7 @@ from trainer.env import is_secondary_rank, under_torchrun
 from trainer.preflight import check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
+from trainer.writable import write_errors_as_user_errors
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
 # broadcast when the process group is up. The other ranks run Hydra in a scratch folder, silently.
@@ -55,7 +56,7 @@ def _single_run(overrides: list[str]) -> None:
     job_cfg = _without_hydra(cfg)
     if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
         validate(job_cfg)
-        _run_job(hydra_app, cfg)
+        _ = _start_job(hydra_app, cfg).return_value  # raises the exception the run ended with
         return
     world = requested_world(job_cfg)
     run_dir = Path(cfg.hydra.run.dir).absolute()
@@ -64,17 +65,19 @@ def _single_run(overrides: list[str]) -> None:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
         check_mode(job_cfg, world)
-        lock.claim()
-        _run_job(hydra_app, cfg)
+        # A full disk or a refused write while Hydra sets the run up is one line, and what it made
+        # is removed again; the run's own errors come back in the job's return value.
+        with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
+            lock.claim()
+            job = _start_job(hydra_app, cfg)
+        _ = job.return_value  # raises the exception the run ended with
 
 
-def _run_job(hydra_app, cfg) -> None:
-    """Hydra's own run_job: makes the run directory, writes .hydra/ and dtrain.log, calls
-    train_job; the exception a run ended with comes back in the job's return value."""
+def _start_job(hydra_app, cfg) -> JobReturn:
+    """Hydra's own run_job: makes the run directory, writes .hydra/ and dtrain.log, calls train_job."""
     context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
-    job = run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                  hydra_context=context)
-    _ = job.return_value  # raises the exception the run ended with
+    return run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                   hydra_context=context)
 
 
 def _sweep(args: list[str], overrides: list[str]) -> None:

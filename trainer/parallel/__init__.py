@@ -32,5 +32,9 @@ def strategy_class(mode: str) -> type[Strategy]:
     return STRATEGIES[mode]
 
 
-def make_strategy(parallel_cfg, train_cfg, runtime) -> Strategy:
-    return STRATEGIES[parallel_cfg.mode](parallel_cfg, train_cfg, runtime)
+def make_strategy(parallel_cfg, train_cfg, runtime, training: bool = True) -> Strategy:
+    """The mode's Strategy for this worker; `training=False` for work that needs no synchronised
+    replicas (evaluation), where a mode such as parallel=none may run at world > 1."""
+    cls = STRATEGIES[parallel_cfg.mode]
+    cls.check_world(runtime.world, training=training)
+    return cls(parallel_cfg, train_cfg, runtime)

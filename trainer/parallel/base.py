@@ -50,18 +50,31 @@ class Strategy:
         return None
 
     def __init__(self, parallel_cfg, train_cfg, runtime: Runtime):
-        self.check_world(runtime.world)
+        # Only what the mode can run on at all: whether it may train at this world is
+        # make_strategy's check (an eval runs parallel=none replicas at any world).
+        self.check_world(runtime.world, training=False)
         self.cfg = parallel_cfg
         self.train_cfg = train_cfg
         self.rt = runtime
 
     @classmethod
-    def check_world(cls, world: int) -> None:
-        """Refuse a worker count this mode cannot run on (one line, before anything starts)."""
+    def check_world(cls, world: int, training: bool = True) -> None:
+        """Refuse a worker count this mode cannot run on (one line, before anything starts).
+
+        `training=False` is for work where each worker needs only its own full replica (`dtrain
+        eval` scores its share of the examples): a mode that does not sync replicas runs there at
+        any world, while training with it would train `world` separate models.
+        """
         if cls.one_process_many_devices and world > 1:
             raise ConfigError(
                 f"parallel={cls.name} drives every GPU from one process and cannot run under a multi-process "
                 f"launch; use parallel=ddp for several workers, or world=1 with parallel={cls.name}"
+            )
+        if training and world > 1 and not cls.syncs_replicas:
+            raise ConfigError(
+                f"parallel={cls.name} does not synchronise gradients, so world={world} would train {world} "
+                f"unrelated copies of the model; use parallel=ddp (or fsdp, zero) for {world} workers, "
+                f"or world=1 with parallel={cls.name}"
             )
 
     @classmethod

@@ -1,0 +1,87 @@
+"""Folders dtrain is about to write into (a run directory, an export folder): refused up front when
+they cannot be written, and a write into one that fails for want of space or permission reported
+as one line instead of a traceback.
+
+Standard library only: the checking layer calls it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainer.errors import UserError
+
+# Less free space than this where a run starts is a full disk: Hydra's .hydra/*.yaml, dtrain.log,
+# resolved_config.json and the first metrics lines alone take tens of kilobytes.
+MIN_FREE_BYTES = 1 << 20
+# The errors of a write that the user fixes (space, permissions, a read-only mount), not dtrain.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself when it exists, else its closest existing ancestor (what mkdir would write into)."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():
+            raise UserError(f"{probe} is a broken symbolic link; remove it or point it at a folder")
+        probe = probe.parent
+    return probe
+
+
+def check_writable_dir(path: Path, what: str, fix: str) -> None:
+    """Refuse a folder that cannot be made and written, before anything is written: a file where a
+    folder is needed (the path itself or a parent), a nearest existing folder that refuses writes
+    (permissions, an immutable folder, a read-only mount), or a full disk. `what` names the setting
+    (e.g. "hydra.run.dir=/x/run"), `fix` how to choose another (e.g. "choose another hydra.run.dir=")."""
+    probe = nearest_existing(path)
+    if not probe.is_dir():
+        raise UserError(f"{what}: {probe} is a file, not a folder; {fix}")
+    # os.access, not a probe file: nothing is written. It refuses root too for an immutable folder
+    # (chattr +i) and for a read-only mount, where root's permission override does not apply.
+    if not os.access(probe, os.W_OK | os.X_OK):
+        stat = os.statvfs(probe)
+        reason = "a read-only file system" if stat.f_flag & os.ST_RDONLY else "no write permission, or immutable"
+        raise UserError(f"{what}: the folder {probe} cannot be written ({reason}); {fix}")
+    free = _free_bytes(probe)
+    if free < MIN_FREE_BYTES:
+        raise UserError(f"{what}: the disk holding {probe} is full ({free:,} bytes free); free space there or {fix}")
+
+
+def _free_bytes(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+@contextlib.contextmanager
+def write_errors_as_user_errors(folder: Path, fix: str) -> Iterator[None]:
+    """A write into `folder` inside this block that fails for want of space or permission (ENOSPC,
+    EDQUOT, EROFS, EACCES, EPERM) becomes one UserError line naming the folder and `fix`; the part
+    of `folder` that this block created is removed again, so a failed start leaves nothing behind.
+    Other errors pass through unchanged."""
+    folder = Path(folder).absolute()
+    created = _first_missing(folder)
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS:
+            raise
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        target = f" ({err.filename})" if err.filename else ""
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"no space left on the disk holding {folder}{target}; free space there or {fix}") from None
+        raise UserError(f"cannot write into {folder}{target}: {err.strerror}; {fix}") from None
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost folder on the way to `folder` that does not exist yet (None if it exists)."""
+    missing = None
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        missing, probe = probe, probe.parent
+    return missing
