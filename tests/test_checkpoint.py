@@ -125,6 +125,22 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_path):
+    kill_and_resume_bitwise(mode, data_dir, references, tmp_path)
+
+
+def test_bitwise_resume_holds_while_the_machine_is_busy(data_dir, references, tmp_path):
+    """MKL and libgomp shrink their thread teams under load unless dynamic threading is off
+    (trainer/__init__.py); two busy processes per core run through the killed run and its resume."""
+    hog = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        kill_and_resume_bitwise("none", data_dir, references, tmp_path)
+    finally:
+        for proc in hog:
+            proc.kill()
+            proc.wait()
+
+
+def kill_and_resume_bitwise(mode, data_dir, references, tmp_path):
     reference = references(mode)
     run_dir = tmp_path / "run"
     args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode])
