@@ -119,10 +119,6 @@ class Estimate:
     grads_persist: bool  # gradients stay allocated across steps (DDP's bucket views)
 
     @property
-    def model_state(self) -> int:
-        return self.params + self.grads + self.optim
-
-    @property
     def backward_peak(self) -> int:
         grads = self.grads if self.grads_persist else 0
         return self.params + self.optim + grads + self.activations + self.gathered + self.runtime
