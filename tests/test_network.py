@@ -1,0 +1,116 @@
+"""What a single-node distributed run exposes to the network: c10d stores have no authentication,
+so every socket a `dtrain train parallel=ddp world=2` run listens on (the driver's store, the
+workers' gloo listeners) must be bound to a loopback address, none to 0.0.0.0 or ::.
+
+Read from the kernel's own tables (/proc/<pid>/net/tcp{,6} and the processes' fd links) while a
+real run trains; nothing is mocked."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from conftest import tiny_args
+from test_checkpoint import logged_steps, start_dtrain
+
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
+
+
+def _address(hex_address: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (host-order 32-bit words in hex) in text."""
+    words = bytes.fromhex(hex_address)
+    raw = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def listening_sockets(pid: int) -> dict[int, tuple[str, int]]:
+    """inode -> (address, port) of every listening TCP socket in this pid's network namespace."""
+    found = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == LISTEN:
+                address, port = fields[1].rsplit(":", 1)
+                found[int(fields[9])] = (_address(address), int(port, 16))
+    return found
+
+
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def process_tree(root: int) -> list[int]:
+    """root and all its descendants (the driver, torch's spawned workers, their helpers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def listeners_of_tree(root: int) -> dict[int, set[tuple[str, int]]]:
+    """pid -> the (address, port) its listening TCP sockets are bound to, for the whole tree."""
+    table = listening_sockets(root)
+    return {pid: {table[inode] for inode in socket_inodes(pid) if inode in table} for pid in process_tree(root)}
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def test_single_node_run_listens_on_loopback_only(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "run.log"
+    # Long enough to sample while it trains; the run is stopped once a few steps are logged.
+    proc = start_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=400"), log)
+    seen: dict[int, set[tuple[str, int]]] = {}
+    try:
+        deadline = time.monotonic() + 240
+        # Sampled over and over from launch to the 5th step: listeners that come and go count too.
+        while len(logged_steps(run_dir)) < 5:
+            assert proc.poll() is None, f"dtrain ended early ({proc.returncode}):\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no training steps after 240 s:\n{log.read_text()[-3000:]}"
+            for pid, bound in listeners_of_tree(proc.pid).items():
+                seen.setdefault(pid, set()).update(bound)
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    report = "\n".join(f"pid {pid}: {sorted(bound)}" for pid, bound in sorted(seen.items()))
+    print(report)
+    listening = {pid: bound for pid, bound in seen.items() if bound}
+    # The driver hosts the store; each of the two workers has its gloo listener.
+    assert proc.pid in listening, f"the driver listened on nothing:\n{report}"
+    assert len(listening) >= 3, f"expected the driver and two workers to listen:\n{report}"
+    exposed = {pid: sorted(a for a in bound if not is_loopback(a[0])) for pid, bound in listening.items()}
+    assert not any(exposed.values()), f"sockets reachable from other hosts: {exposed}\n{report}"
