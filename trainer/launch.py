@@ -9,11 +9,22 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -21,6 +32,8 @@ from trainer.env import under_torchrun
 from trainer.errors import UserError, WorkerFailed
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
+LOOPBACK_BACKEND = "dtrain-loopback"  # the rendezvous of single-node runs (below)
+LOOPBACK = "127.0.0.1"
 
 
 def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,
@@ -44,23 +57,26 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     rdzv_id = launch["rdzv_id"]
     if nnodes == 1 and rdzv_id == "dtrain":
         rdzv_id = f"dtrain-{uuid.uuid4().hex[:8]}"  # distinct jobs on one host never share a rendezvous
+    local = _single_node(launch)
+    local_addr, worker_env = (LOOPBACK, _loopback_env()) if local else _node_network(launch)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
         run_id=rdzv_id,
-        rdzv_backend=launch["rdzv_backend"],
+        rdzv_backend=LOOPBACK_BACKEND if local else launch["rdzv_backend"],
         rdzv_endpoint=launch["rdzv_endpoint"],
         rdzv_configs=_rdzv_configs(launch),
         max_restarts=launch["max_restarts"],
         monitor_interval=launch["monitor_interval"],
         start_method="spawn",
         logs_specs=logs,
-        local_addr=_node_network(launch),
+        local_addr=local_addr,
     )
     _quiet_user_errors()
     try:
-        results = elastic_launch(config, entrypoint)(*args)
+        with _environment(worker_env):
+            results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)
@@ -102,8 +118,40 @@ def _hosts_endpoint(endpoint: str) -> bool:
         return False
 
 
-def _node_network(launch: dict) -> str | None:
-    """For multi-node runs: this node's address on the route to the rendezvous host.
+def _single_node(launch: dict) -> bool:
+    """A one-node c10d job: nobody else has to reach its stores, so they listen on loopback."""
+    return launch["nnodes"] == 1 and launch["rdzv_backend"] == "c10d"
+
+
+def _loopback_env() -> dict[str, str]:
+    """gloo binds to the address the hostname resolves to (eth0's on many hosts); on one node the
+    workers only talk to each other, so it is pinned to the loopback interface unless the user
+    pinned one. NCCL's bootstrap sockets likewise (intra-node data goes over P2P/shared memory)."""
+    name = _interface_of(LOOPBACK)
+    if not name:
+        return {}
+    return {var: name for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var not in os.environ}
+
+
+@contextmanager
+def _environment(updates: dict[str, str]) -> Iterator[None]:
+    """Set variables for the workers (they inherit the driver's environment) for one launch only,
+    so a later launch in this process (a multirun point, a test) does not inherit them."""
+    saved = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _node_network(launch: dict) -> tuple[str | None, dict[str, str]]:
+    """For multi-node runs: this node's address on the route to the rendezvous host, and the
+    workers' GLOO_SOCKET_IFNAME.
 
     torch advertises `socket.getfqdn()` as the workers' store address by default, and gloo binds
     to whatever the hostname resolves to; on hosts whose name resolves to another interface (or
@@ -112,22 +160,87 @@ def _node_network(launch: dict) -> str | None:
     at its interface unless GLOO_SOCKET_IFNAME is already set.
     """
     if launch["nnodes"] <= 1 or launch["rdzv_backend"] != "c10d":
-        return None
+        return None, {}
     host, port = parse_rendezvous_endpoint(launch["rdzv_endpoint"], default_port=29400)
     if host in ("localhost", "127.0.0.1", "::1"):
-        return None
+        return None, {}
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port or 29400, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, kind, proto) as sock:
             sock.connect(address)  # UDP: picks the route, sends nothing
             local = sock.getsockname()[0]
     except OSError:
-        return None
+        return None, {}
+    env = {}
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         name = _interface_of(local)
         if name and name != "lo":
-            os.environ["GLOO_SOCKET_IFNAME"] = name  # inherited by the workers
-    return local
+            env["GLOO_SOCKET_IFNAME"] = name
+    return local, env
+
+
+class _LoopbackRendezvous(RendezvousHandler):
+    """The rendezvous of a single-node run: one TCPStore, listening on 127.0.0.1 only.
+
+    c10d stores have no authentication: whoever reaches the port can read and write every key.
+    torch's c10d rendezvous hosts two of them (the rendezvous state, and the store the workers
+    bootstrap from) and a TCPStore server listens on every interface whatever host it is given
+    (both backends, torch 2.13). One node has nobody to meet, so this handler hosts one store on
+    a socket it bound to loopback itself (TCPStore's `master_listen_fd`) and hands it to the
+    agent, and as MASTER_ADDR/MASTER_PORT to the workers (TORCHELASTIC_USE_AGENT_STORE).
+    Only torch's public rendezvous API is used (`RendezvousHandler`, the handler registry).
+    """
+
+    def __init__(self, run_id: str, timeout_s: int):
+        self._run_id = run_id
+        self._round = 0
+        self._closed = False
+        listener = socket.create_server((LOOPBACK, 0))  # bound and listening
+        port = listener.getsockname()[1]
+        # The store's server takes the descriptor over (and closes it when it stops).
+        self._store: TCPStore | None = TCPStore(
+            LOOPBACK, port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach(),
+        )
+        self._info = RendezvousStoreInfo(master_addr=LOOPBACK, master_port=port)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed or self._store is None:
+            raise RendezvousClosedError()
+        self._round += 1  # a restart is a new round: the agent's keys start afresh
+        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{self._round}", self._store)
+        return RendezvousInfo(store, rank=0, world_size=1, bootstrap_store_info=self._info)
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers connect to this store (trainer/runtime.py prefixes it per attempt)
+
+    def get_backend(self) -> str:
+        return LOOPBACK_BACKEND
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # one node: nobody can join later
+
+    def shutdown(self) -> bool:
+        self._closed = True
+        self._store = None  # the server stops when the agent lets go of its round's store too
+        return True
+
+
+def _create_loopback_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    return _LoopbackRendezvous(params.run_id, params.get_as_int("timeout", 60))
+
+
+rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback_rendezvous)
 
 
 def _interface_of(address: str) -> str | None:
