@@ -7,15 +7,26 @@ real run trains; nothing is mocked."""
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import os
 import signal
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
 from conftest import tiny_args
 from test_checkpoint import logged_steps, start_dtrain
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+
+from trainer.launch import LOOPBACK_BACKEND
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 
@@ -102,7 +113,7 @@ def test_single_node_run_listens_on_loopback_only(data_dir, tmp_path):
             assert time.monotonic() < deadline, f"no training steps after 240 s:\n{log.read_text()[-3000:]}"
             for pid, bound in listeners_of_tree(proc.pid).items():
                 seen.setdefault(pid, set()).update(bound)
-            time.sleep(0.05)
+            time.sleep(0.2)  # a sample reads /proc for ~30 ms: leave the cores to the run
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -114,3 +125,30 @@ def test_single_node_run_listens_on_loopback_only(data_dir, tmp_path):
     assert len(listening) >= 3, f"expected the driver and two workers to listen:\n{report}"
     exposed = {pid: sorted(a for a in bound if not is_loopback(a[0])) for pid, bound in listening.items()}
     assert not any(exposed.values()), f"sockets reachable from other hosts: {exposed}\n{report}"
+
+
+def test_loopback_rendezvous_serves_rounds_on_loopback_only():
+    """The single-node rendezvous through torch's registry, as the elastic agent uses it: a store
+    on 127.0.0.1 that workers reach, fresh keys for every round (a restart), closed at shutdown."""
+    params = RendezvousParameters(backend=LOOPBACK_BACKEND, endpoint="localhost:0", run_id="net-test",
+                                  min_nodes=1, max_nodes=1, timeout=5)
+    handler = rendezvous_handler_registry.create_handler(params)
+    first, second = handler.next_rendezvous(), handler.next_rendezvous()
+    info = first.bootstrap_store_info
+    assert (first.rank, first.world_size, info.master_addr) == (0, 1, "127.0.0.1")
+    assert second.bootstrap_store_info == info  # restarted workers find the same store
+    table = listening_sockets(os.getpid())
+    own = [table[inode] for inode in socket_inodes(os.getpid()) if inode in table]
+    assert [bound for bound in own if bound[1] == info.master_port] == [("127.0.0.1", info.master_port)]
+    worker = dist.TCPStore(info.master_addr, info.master_port, is_master=False, timeout=timedelta(seconds=5))
+    worker.set("k", "v")
+    first.store.set("round", "1")
+    assert not second.store.check(["round"])  # each round's keys apart
+    assert handler.use_agent_store and handler.num_nodes_waiting() == 0
+    assert handler.shutdown() and handler.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        handler.next_rendezvous()
+    del first, second, worker  # the agent lets go of its rounds' stores: the server stops
+    gc.collect()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", info.master_port), timeout=5).close()

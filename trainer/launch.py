@@ -126,11 +126,11 @@ def _single_node(launch: dict) -> bool:
 def _loopback_env() -> dict[str, str]:
     """gloo binds to the address the hostname resolves to (eth0's on many hosts); on one node the
     workers only talk to each other, so it is pinned to the loopback interface unless the user
-    pinned one. NCCL's bootstrap sockets likewise (intra-node data goes over P2P/shared memory)."""
+    pinned one. (NCCL is left alone: not verified on a GPU here; see docs/multinode.md.)"""
     name = _interface_of(LOOPBACK)
-    if not name:
+    if not name or "GLOO_SOCKET_IFNAME" in os.environ:
         return {}
-    return {var: name for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var not in os.environ}
+    return {"GLOO_SOCKET_IFNAME": name}
 
 
 @contextmanager
