@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from trainer.launch import LOOPBACK_BACKEND
+from trainer.launch import LOOPBACK_BACKEND, NODES_BACKEND
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 
@@ -152,3 +153,32 @@ def test_loopback_rendezvous_serves_rounds_on_loopback_only():
     gc.collect()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", info.master_port), timeout=5).close()
+
+
+def test_nodes_rendezvous_hosts_one_store_on_the_endpoint_address():
+    """The multi-node rendezvous through torch's registry, two nodes in one process: the first
+    binds the endpoint's address and hosts the store there (no wildcard listener, no second store
+    for the workers), the second connects to it; both join one round and hand the endpoint to
+    their workers."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    params = RendezvousParameters(backend=NODES_BACKEND, endpoint=f"127.0.0.1:{port}", run_id="nodes-test",
+                                  min_nodes=2, max_nodes=2, join_timeout=60, last_call_timeout=1)
+    host = rendezvous_handler_registry.create_handler(params)
+    other = rendezvous_handler_registry.create_handler(params)
+    with ThreadPoolExecutor(2) as pool:
+        joined = list(pool.map(lambda handler: handler.next_rendezvous(), (host, other)))
+    assert sorted(info.rank for info in joined) == [0, 1] and {info.world_size for info in joined} == {2}
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in joined} == {
+        ("127.0.0.1", port)}
+    assert host.use_agent_store and other.use_agent_store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ  # set for torch's handler only
+    table = listening_sockets(os.getpid())
+    own = [table[inode] for inode in socket_inodes(os.getpid()) if inode in table]
+    assert [bound for bound in own if bound[1] == port] == [("127.0.0.1", port)], own
+    assert all(is_loopback(address) for address, _ in own), own  # torch's second store is not started
+    worker = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    worker.set("k", "v")
+    assert worker.get("k") == b"v"
+    assert host.num_nodes_waiting() == 0
+    assert host.shutdown() and other.shutdown()

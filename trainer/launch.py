@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import ipaddress
 import json
 import logging
 import os
 import socket
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,13 +22,16 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as create_dynamic_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
@@ -33,6 +39,7 @@ from trainer.errors import UserError, WorkerFailed
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 LOOPBACK_BACKEND = "dtrain-loopback"  # the rendezvous of single-node runs (below)
+NODES_BACKEND = "dtrain-c10d"  # the rendezvous of multi-node c10d runs (below)
 LOOPBACK = "127.0.0.1"
 
 
@@ -59,12 +66,15 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         rdzv_id = f"dtrain-{uuid.uuid4().hex[:8]}"  # distinct jobs on one host never share a rendezvous
     local = _single_node(launch)
     local_addr, worker_env = (LOOPBACK, _loopback_env()) if local else _node_network(launch)
+    backend = launch["rdzv_backend"]
+    if backend == "c10d":
+        backend = LOOPBACK_BACKEND if local else NODES_BACKEND
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
         run_id=rdzv_id,
-        rdzv_backend=LOOPBACK_BACKEND if local else launch["rdzv_backend"],
+        rdzv_backend=backend,
         rdzv_endpoint=launch["rdzv_endpoint"],
         rdzv_configs=_rdzv_configs(launch),
         max_restarts=launch["max_restarts"],
@@ -95,27 +105,7 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
 
 
 def _rdzv_configs(launch: dict) -> dict:
-    configs = {"timeout": launch["rdzv_timeout"], "join_timeout": launch["rdzv_timeout"]}
-    if launch["nnodes"] > 1 and launch["rdzv_backend"] == "c10d" and _hosts_endpoint(launch["rdzv_endpoint"]):
-        # torch decides who hosts the c10d store by comparing the endpoint with this machine's
-        # hostname; a node whose address is on a secondary interface (a cluster network, a
-        # container's veth) would then host nothing and every node would wait for a server.
-        configs["is_host"] = True
-    return configs
-
-
-def _hosts_endpoint(endpoint: str) -> bool:
-    """Whether the rendezvous endpoint is an address of this machine whose port is free here."""
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
-    if _matches_machine_hostname(host):
-        return False  # torch's own check already finds it (and falls back if the port is taken)
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        return True
-    except OSError:
-        return False
+    return {"timeout": launch["rdzv_timeout"], "join_timeout": launch["rdzv_timeout"]}
 
 
 def _single_node(launch: dict) -> bool:
@@ -241,6 +231,134 @@ def _create_loopback_rendezvous(params: RendezvousParameters) -> RendezvousHandl
 
 
 rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback_rendezvous)
+
+
+class _NodesRendezvous(RendezvousHandler):
+    """The rendezvous of a multi-node c10d run: torch's own (DynamicRendezvousHandler: min/max
+    nodes, join and last-call timeouts, heartbeats, a new round per restart), on one store that
+    listens on the rendezvous endpoint's address only.
+
+    torch's c10d backend hosts the rendezvous store with `TCPStore(host, port)`, which listens on
+    every interface, and the node that gets rank 0 hosts a second store for the workers, on every
+    interface too. Here the node that owns the endpoint's address hosts the one store on a socket
+    bound to that address (`master_listen_fd`), every other node connects to it, and the workers
+    bootstrap from the same store: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's switch) keeps
+    torch's handler from starting the second store, and this handler hands the endpoint to the
+    agent (use_agent_store: the workers connect as clients; trainer/runtime.py prefixes their keys
+    per attempt). Only public torch API: the handler registry, `C10dRendezvousBackend`,
+    `dynamic_rendezvous.create_handler`, `RendezvousHandler`.
+    """
+
+    def __init__(self, inner: RendezvousHandler, store: TCPStore, info: RendezvousStoreInfo):
+        self._inner = inner
+        self._store = store  # hosted here or a client; lives as long as the handler (other nodes may still use it)
+        self._info = info
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with _no_second_store():
+            joined = self._inner.next_rendezvous()
+        return RendezvousInfo(joined.store, joined.rank, joined.world_size, self._info)
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def get_backend(self) -> str:
+        return NODES_BACKEND
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+_SHARE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_share_lock = threading.Lock()
+_share = {"joins": 0, "saved": None}  # joins under way in this process; the switch's value before
+
+
+@contextmanager
+def _no_second_store() -> Iterator[None]:
+    """Set torch's switch while any join is under way in this process (joins may overlap: one
+    process can hold several handlers), and restore its value after the last."""
+    with _share_lock:
+        if _share["joins"] == 0:
+            _share["saved"] = os.environ.get(_SHARE_SWITCH)
+            os.environ[_SHARE_SWITCH] = "1"
+        _share["joins"] += 1
+    try:
+        yield
+    finally:
+        with _share_lock:
+            _share["joins"] -= 1
+            if _share["joins"] == 0:
+                if _share["saved"] is None:
+                    os.environ.pop(_SHARE_SWITCH, None)
+                else:
+                    os.environ[_SHARE_SWITCH] = _share["saved"]
+
+
+def _endpoint_listener(host: str, port: int) -> socket.socket | None:
+    """A listening socket on the endpoint's address if that address is this node's and its port
+    is free; None where another node (or another process here) hosts the store."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, _, _, _, address in addresses:
+        try:
+            listener = socket.create_server(address, family=family)
+            if _is_loopback(address[0]) and host != "localhost" and not _is_loopback(host):
+                logging.getLogger(__name__).warning(
+                    "launch.rdzv_endpoint %s resolves to %s on this node: the rendezvous store listens "
+                    "there only and other machines cannot reach it; give this node's cluster address",
+                    host, address[0])
+            return listener
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return None  # hosted by another process of this machine: connect to it
+    return None
+
+
+def _is_loopback(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
+
+
+def _create_nodes_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    listener = _endpoint_listener(host, port)
+    try:
+        if listener is not None:
+            address, port = listener.getsockname()[:2]
+            # The store's server takes the descriptor over (and closes it when it stops).
+            store = TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=read_timeout,
+                             master_listen_fd=listener.detach())
+        else:
+            # Wait for the hosting node as long as for the other nodes to join, then read as torch does.
+            join = timedelta(seconds=params.get_as_int("join_timeout", 600))
+            store = TCPStore(host, port, is_master=False, timeout=join)
+            store.set_timeout(read_timeout)
+    except (ValueError, RuntimeError, TimeoutError) as err:
+        raise RendezvousConnectionError(f"no rendezvous store at {host}:{port}: {err}") from err
+    inner = create_dynamic_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    return _NodesRendezvous(inner, store, RendezvousStoreInfo(master_addr=host, master_port=port))
+
+
+rendezvous_handler_registry.register(NODES_BACKEND, _create_nodes_rendezvous)
 
 
 def _interface_of(address: str) -> str | None:
