@@ -9,10 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, dtrain_env, tiny_args
 from test_checkpoint import CKPT_ARGS, CKPT_NAMES, MODES, loss_records, references  # noqa: F401
+from test_network import is_loopback, listeners_of_tree
 
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
 PORT = 29500  # a fresh namespace has nothing listening
@@ -70,13 +72,33 @@ def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):  #
             command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "trainer", *args]
             procs.append(subprocess.Popen(command, cwd=REPO, env=dtrain_env(), stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
-        codes = [proc.wait(timeout=600) for proc in procs]
+        # Every listening socket of both nodes' process trees (drivers, workers), sampled from the
+        # namespaces' own tables until the job ends: listeners that come and go count too.
+        seen: list[dict[int, set[tuple[str, int]]]] = [{}, {}]
+        deadline = time.monotonic() + 600
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            for index, proc in enumerate(procs):
+                if proc.poll() is None:
+                    for pid, bound in listeners_of_tree(proc.pid).items():
+                        seen[index].setdefault(pid, set()).update(bound)
+            time.sleep(0.3)
+        codes = [proc.wait(timeout=60) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     logs = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], "\n----\n".join(text[-3000:] for text in logs)
+    # Each node listens on its own address toward the rendezvous host (the rendezvous store on
+    # HOST_A:PORT, gloo), or on loopback; never on a wildcard address that every interface reaches.
+    report = "\n".join(f"node {HOST_A if i == 0 else HOST_B} pid {pid}: {sorted(bound)}"
+                       for i, node in enumerate(seen) for pid, bound in sorted(node.items()) if bound)
+    print(report)
+    for own, node in zip((HOST_A, HOST_B), seen):
+        stray = sorted({a for bound in node.values() for a in bound if a[0] != own and not is_loopback(a[0])})
+        assert not stray, f"node {own} listened beyond its own address: {stray}\n{report}"
+    assert (HOST_A, PORT) in set().union(*seen[0].values()), f"no rendezvous store on {HOST_A}:{PORT}\n{report}"
+    assert sum(1 for node in seen for bound in node.values() if bound) >= 3, report  # a store, two gloo
     # Global rank 0 is the only writer of metrics and checkpoints (the rendezvous orders nodes
     # by process id, so it may live on either node).
     writers = [tmp_path / f"node{i}" for i in range(2) if (tmp_path / f"node{i}" / "metrics.jsonl").exists()]
