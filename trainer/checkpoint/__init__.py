@@ -8,8 +8,11 @@ Layout of one run directory:
         __0_0.distcp ...      DCP tensor shards (every rank writes its own)
         trainer_state.json    step, tokens, best val loss, every rank's loader position and RNG states
         config.json           the resolved config of the run that wrote it
-        COMPLETE              the completion marker, written last
+        COMPLETE              the completion marker, written last: every other file's size and
+                              checksum ("crc32:<hex>"), verified before any load
       .tmp_step_000016/       a save in progress (ignored and removed on the next start)
+      corrupt_step_000015/    a checkpoint that failed verification, set aside by resume=auto
+                              (kept for inspection, never resumed, never deleted by retention)
 
 The DCP part holds tensors only: `model.<fqn>` (the model's parameters, full or sharded by the
 strategy) and `optim.<fqn>.<name>` (AdamW's per-parameter state, keyed by parameter name so it
@@ -18,13 +21,16 @@ arbitrary object: tensor data goes through torch.load(weights_only=True) inside 
 `.metadata` index is read with an unpickler that only admits DCP's own metadata classes.
 
 Only global rank 0 writes outside the DCP shard files: it creates the temporary folder, writes
-the JSON files and the marker, renames the folder into place, and deletes old checkpoints.
+the JSON files and the marker, renames the folder into place, and deletes old checkpoints. Each
+rank hashes the shard files it wrote and sends the checksums to rank 0 for the marker.
 
 Modules, one job each (this file imports none of them, so `trainer.checkpoint.layout` stays
 torch-free for the run-directory checks that run before torch is imported):
 
     layout    names of the files and folders above; finding complete checkpoints (standard library)
+    integrity every file's checksum in the marker, and verifying them (standard library)
     verify    reading a checkpoint safely and checking it before anything is loaded
+    selection which checkpoint a resume loads: newest intact first, corrupt ones set aside
     rng       every rank's RNG states as JSON
     manager   the Checkpointer: save, restore, retention and async saves during training
     weights   a checkpoint's (or a state_dict file's) weights in a plain model: eval, sample, export

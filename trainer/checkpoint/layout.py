@@ -19,6 +19,9 @@ METADATA_FILE = ".metadata"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 DEL_PREFIX = ".del_"
+# A published checkpoint that failed verification is renamed `corrupt_step_NNNNNN` (kept for
+# inspection, never deleted, never counted by retention or resumed).
+CORRUPT_PREFIX = "corrupt_"
 
 
 def step_dir_name(step: int) -> str:
@@ -40,6 +43,32 @@ def is_complete(path: Path) -> bool:
     """A published checkpoint: its marker and DCP index are both there."""
     path = Path(path)
     return (path / MARKER).is_file() and (path / METADATA_FILE).is_file()
+
+
+def has_marker(path: Path) -> bool:
+    """Its save finished: the marker is only written once every file is in place."""
+    return (Path(path) / MARKER).is_file()
+
+
+def marked_checkpoints(root: Path) -> list[Path]:
+    """The `step_*` folders of a `checkpoints/` folder that carry a marker (complete or damaged since),
+    newest step first: the candidates a resume verifies in turn."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if p.is_dir() and has_marker(p)]
+    return [p for _, p in sorted(((s, p) for s, p in found if s is not None), reverse=True)]
+
+
+def corrupt_dir(ckpt: Path) -> Path:
+    """Where a corrupt checkpoint is moved: `corrupt_<name>`, with `.1`, `.2` ... if that is taken."""
+    ckpt = Path(ckpt)
+    base = ckpt.with_name(CORRUPT_PREFIX + ckpt.name)
+    dest, n = base, 0
+    while dest.exists():
+        n += 1
+        dest = base.with_name(f"{base.name}.{n}")
+    return dest
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -76,6 +105,11 @@ def resolve_checkpoint(spec: str | Path) -> Path:
     if is_complete(path):
         return path
     if path.is_dir():
+        if checkpoint_step(path) is not None and has_marker(path):
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt (missing {METADATA_FILE}, though its save finished); "
+                "resume from an earlier step_* folder or the run directory"
+            )
         if checkpoint_step(path) is not None or path.name.startswith(TMP_PREFIX):
             raise CheckpointError(
                 f"{path} is an incomplete checkpoint (no {MARKER} marker: its save was interrupted); "

@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from trainer.checkpoint.integrity import checksum_files, marker_record, rank_files
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -29,14 +31,15 @@ from trainer.checkpoint.layout import (
     STATE_FILE,
     TMP_PREFIX,
     checkpoint_step,
-    is_complete,
+    has_marker,
     latest_checkpoint,
     list_checkpoints,
     resolve_checkpoint,
     step_dir_name,
 )
 from trainer.checkpoint.rng import rng_state, set_rng_state
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state, validate_checkpoint
+from trainer.checkpoint.selection import check_explicit, choose_own
+from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state
 from trainer.config import to_dict
 from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError
@@ -71,6 +74,16 @@ def _nested_failure(err: BaseException) -> BaseException | None:
     return None
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost error inside DCP's wrappers (its CheckpointException names only the ranks)."""
+    for _ in range(10):
+        inner = _nested_failure(err) or err.__cause__
+        if inner is None:
+            break
+        err = inner
+    return err
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints; every rank builds one (collectives inside)."""
 
@@ -89,11 +102,16 @@ class Checkpointer:
         self.root = Path(self.rt.broadcast_object(str(Path(run_dir) / CHECKPOINT_DIR)))
         self.async_save = bool(c.async_save)
         self.pg = None
-        if self.async_save and rt.distributed:
-            # The background save runs its own collectives; a separate gloo group keeps them apart
-            # from the training thread's.
+        if rt.distributed:
+            # An async save and the checksums of every save run their collectives in the
+            # background; a separate gloo group keeps them apart from the training thread's.
             self.pg = dist.new_group(backend="gloo")
-        self.pending = None  # (future, tmp folder, final folder, step, JSON record) of an async save
+        # (future of every rank's checksums, tmp folder, final folder, step, JSON record) of a save
+        # not yet published
+        self.pending = None
+        # Hashes a save's files once written, so the checksums cost the training thread no time
+        # (the training continues meanwhile; measured in scripts/bench_checksum.py).
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-checksum")
         self.resumed_from: Path | None = None
 
     def _say(self, message: str) -> None:
@@ -106,27 +124,29 @@ class Checkpointer:
         (its path, its DCP index, its trainer state) for every rank, or None to start afresh."""
         try:
             self._cleanup()
-            resume = self.cfg.resume
-            own = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
-            if resume in ("auto", "never"):
-                # resume=never refused this run dir up front; a restart of the same job still
-                # continues its own checkpoints.
-                ckpt = own if resume == "auto" or restart_count() > 0 else None
+            resume, restarted = self.cfg.resume, restart_count() > 0
+            # resume=never refused this run dir up front; a restart of the same job still
+            # continues its own checkpoints, whatever resume= says.
+            own = restarted or resume == "auto"
+            if resume not in ("auto", "never") and not (restarted and latest_checkpoint(self.root.parent)):
+                ckpt, checked = check_explicit(resolve_checkpoint(resume), self.cfg.model)
+            elif own and (chosen := choose_own(self.root, self.cfg.model, self._say)) is not None:
+                ckpt, checked = chosen
             else:
-                ckpt = own if restart_count() > 0 and own is not None else resolve_checkpoint(resume)
-            if ckpt is None:
                 return None
-            metadata, saved, _ = validate_checkpoint(ckpt, self.cfg.model)
+            metadata, saved, _ = checked
         except OSError as err:
             raise CheckpointError(f"cannot read checkpoints under {self.root}: {first_line(err)}") from None
         return str(ckpt), metadata, saved
 
     def _cleanup(self) -> None:
+        """Remove interrupted saves: folders without a marker. A marked folder's save finished, so
+        whatever is wrong with it since is corruption (set aside by choose_own, never deleted)."""
         if not self.root.is_dir():
             return
         for path in self.root.iterdir():
             stale = path.name.startswith((TMP_PREFIX, DEL_PREFIX)) or (
-                checkpoint_step(path) is not None and not is_complete(path)
+                checkpoint_step(path) is not None and not has_marker(path)
             )
             if stale and path.is_dir():
                 self._say(f"removing the interrupted checkpoint save {path.name}")
@@ -149,7 +169,7 @@ class Checkpointer:
         try:
             dcp.load(template, storage_reader=SafeReader(ckpt))
         except DCP_ERRORS as err:
-            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(err)}") from None
+            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(_root_cause(err))}") from None
         strategy.load_model_state_dict(model, template["model"])
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
 
@@ -175,10 +195,13 @@ class Checkpointer:
         step = run.state.step
         if not (last or (self.interval and step % self.interval == 0)):
             return False
-        self.save(run)
+        self.save(run, wait=last)
         return True
 
-    def save(self, run) -> Path:
+    def save(self, run, wait: bool = True) -> Path:
+        """Write a checkpoint. A synchronous save is published before returning when `wait`, else
+        once its checksums are computed in the background (at a later step, the next save, or
+        close()); an async save (checkpoint.async_save) is published once written and hashed."""
         self._finish_pending()
         step = run.state.step
         name = step_dir_name(step)
@@ -222,20 +245,36 @@ class Checkpointer:
                 future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
             except DCP_ERRORS as err:
                 raise self._failed(tmp, err) from None
-            self.pending = (future, tmp, final, step, record)
+            self.pending = (self.hasher.submit(self._checksums_after, future, tmp), tmp, final, step, record)
             return final
         try:
             dcp.save(tensors, checkpoint_id=tmp)
         except DCP_ERRORS as err:  # DCP raises the same error on every rank
             raise self._failed(tmp, err) from None
-        problem = None
-        if self.rt.is_main:
-            try:
-                self._publish(tmp, final, step, record)
-            except OSError as err:
-                problem = str(self._failed(tmp, err))
-        self.rt.agree(problem, CheckpointError)
+        written: Future = Future()
+        written.set_result(None)
+        self.pending = (self.hasher.submit(self._checksums_after, written, tmp), tmp, final, step, record)
+        if wait:
+            self._finish_pending(together=True)
         return final
+
+    def _own_checksums(self, tmp: Path) -> dict:
+        try:
+            return {"sums": checksum_files(tmp, rank_files(tmp, self.rt.rank))}
+        except OSError as err:  # sent to rank 0 like a result, so no rank waits for another
+            return {"error": f"rank {self.rt.rank}: {first_line(err)}"}
+
+    def _checksums_after(self, future, tmp: Path) -> list[dict]:
+        """In the hasher thread: wait for this rank's write, hash the files it wrote (still in its
+        page cache), gather every rank's (on the background process group, apart from the training
+        thread's collectives)."""
+        future.result()
+        own = self._own_checksums(tmp)
+        if self.pg is None:
+            return [own]
+        parts: list = [None] * self.rt.world
+        dist.all_gather_object(parts, own, group=self.pg)
+        return parts
 
     def _failed(self, tmp: Path, err: BaseException) -> CheckpointError:
         """The error to raise for a failed save; rank 0 removes the partial folder (to free the
@@ -246,12 +285,7 @@ class Checkpointer:
         return CheckpointError(message)
 
     def _save_problem(self, tmp: Path, err: BaseException) -> str:
-        cause = err
-        for _ in range(10):  # the root cause inside DCP's wrappers
-            inner = _nested_failure(cause) or cause.__cause__
-            if inner is None:
-                break
-            cause = inner
+        cause = _root_cause(err)
         previous = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         name = tmp.name.removeprefix(TMP_PREFIX)
@@ -268,12 +302,18 @@ class Checkpointer:
             reason = f"no space left on the device ({reason}{free_text})"
         return f"could not save checkpoint {name} under {self.root}: {reason}; {kept}"
 
-    def _publish(self, tmp: Path, final: Path, step: int, record: dict) -> None:
-        """Rank 0, once every rank's shards are written: JSON, marker, one rename, retention."""
+    def _publish(self, tmp: Path, final: Path, step: int, record: dict, parts: list[dict]) -> None:
+        """Rank 0, once every rank's shards are written and hashed: JSON, the marker with every
+        file's checksum (written last), one rename, retention."""
+        errors = [p["error"] for p in parts if "error" in p]
+        if errors:
+            raise OSError(f"could not checksum the written files ({errors[0]})")
         write_durable(tmp / STATE_FILE, json.dumps(record))
         cfg_dict = to_dict(self.cfg) if not isinstance(self.cfg, dict) else self.cfg
         write_durable(tmp / CONFIG_FILE, json.dumps(cfg_dict, indent=2, sort_keys=True))
-        marker = {"step": step, "world": self.rt.world, "format": FORMAT_VERSION}
+        sums = {name: value for p in parts for name, value in p["sums"].items()}
+        sums.update(checksum_files(tmp, [STATE_FILE, CONFIG_FILE]))
+        marker = marker_record(tmp, step, self.rt.world, FORMAT_VERSION, sums)
         write_durable(tmp / MARKER, json.dumps(marker))
         fsync_dir(tmp)
         if final.exists():
@@ -299,22 +339,32 @@ class Checkpointer:
         if self.pending is not None and self.pending[0].done():
             self._finish_pending()
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, together: bool = False) -> None:
+        """Publish the pending save once its files are written and hashed. `together`: every rank
+        is here, so a failure on rank 0 is raised on every rank."""
         if self.pending is None:
             return
-        future, tmp, final, step, record = self.pending
+        hashed, tmp, final, step, record = self.pending
         self.pending = None
         try:
-            future.result()
+            parts = hashed.result()
         except DCP_ERRORS as err:
             raise self._failed(tmp, err) from None
+        problem = None
         if self.rt.is_main:
             try:
-                self._publish(tmp, final, step, record)
+                self._publish(tmp, final, step, record, parts)
             except OSError as err:
-                raise self._failed(tmp, err) from None
+                problem = str(self._failed(tmp, err))
+        if together:
+            self.rt.agree(problem, CheckpointError)
+        elif problem:
+            raise CheckpointError(problem)
 
     def close(self) -> None:
-        """Wait for an async save still in flight and publish it."""
-        self._finish_pending()
+        """Wait for a save still in flight and publish it."""
+        try:
+            self._finish_pending()
+        finally:
+            self.hasher.shutdown()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from trainer.checkpoint.integrity import CorruptCheckpoint, verify_checkpoint_files
 from trainer.checkpoint.layout import (
     CONFIG_FILE,
     FORMAT_VERSION,
     MARKER,
     METADATA_FILE,
     STATE_FILE,
-    is_complete,
 )
 from trainer.errors import CheckpointError
 from trainer.io import first_line
@@ -83,11 +84,14 @@ def read_metadata(path: Path) -> Metadata:
         with open(Path(path) / METADATA_FILE, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no {METADATA_FILE} (an incomplete save)") from None
+        raise CorruptCheckpoint(path, f"missing {METADATA_FILE}",
+                                f"checkpoint {path} has no {METADATA_FILE} (an incomplete save)") from None
     except Exception as err:
-        raise CheckpointError(f"checkpoint {path} has a corrupt {METADATA_FILE}: {first_line(err)}") from None
+        reason = f"corrupt {METADATA_FILE}: {first_line(err)}"
+        raise CorruptCheckpoint(path, reason, f"checkpoint {path} has a {reason}") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {path} has a corrupt {METADATA_FILE} (not a DCP index)")
+        reason = f"corrupt {METADATA_FILE} (not a DCP index)"
+        raise CorruptCheckpoint(path, reason, f"checkpoint {path} has a {reason}")
     return metadata
 
 
@@ -108,11 +112,11 @@ def read_json(path: Path, what: str) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint {path.parent} has no {path.name} ({what}); it is incomplete"
-        ) from None
+        message = f"checkpoint {path.parent} has no {path.name} ({what}); it is incomplete"
+        raise CorruptCheckpoint(path.parent, f"missing {path.name}", message) from None
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path.parent} has a corrupt {path.name}: {first_line(err)}") from None
+        reason = f"corrupt {path.name}: {first_line(err)}"
+        raise CorruptCheckpoint(path.parent, reason, f"checkpoint {path.parent} has a {reason}") from None
 
 
 def read_checkpoint_config(ckpt: Path) -> dict:
@@ -134,13 +138,12 @@ def check_files(ckpt: Path, metadata: Metadata) -> None:
     for name, end in sorted(needed.items()):
         file = Path(ckpt) / name
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is missing shard file {name}; it is corrupt or partial")
+            reason = f"missing shard file {name}"
+            raise CorruptCheckpoint(ckpt, reason, f"checkpoint {ckpt} is {reason}; it is corrupt or partial")
         size = file.stat().st_size
         if size < end:
-            raise CheckpointError(
-                f"checkpoint {ckpt} has a truncated shard file {name} ({size:,} bytes, needs {end:,}); "
-                "it is corrupt or partial"
-            )
+            reason = f"truncated shard file {name}: {size:,} bytes, needs {end:,}"
+            raise CorruptCheckpoint(ckpt, reason, f"checkpoint {ckpt} has a {reason}; it is corrupt or partial")
 
 
 def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
@@ -190,11 +193,23 @@ def check_template(ckpt: Path, metadata: Metadata, flat_template: dict[str, torc
             )
 
 
+def verify_files(ckpt: Path) -> None:
+    """Every file of the checkpoint against the checksums its marker records (CorruptCheckpoint
+    names the first that differs); a checkpoint from before checksums loads, with one line saying so."""
+    if not verify_checkpoint_files(ckpt):
+        print(f"dtrain: checkpoint {ckpt} has no checksums (written before dtrain recorded them); "
+              "loading it unverified", file=sys.stderr, flush=True)
+
+
 def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple[Metadata, dict, dict]:
-    """Check a checkpoint before loading it; returns (DCP metadata, trainer state, config)."""
+    """Check a checkpoint before loading it; returns (DCP metadata, trainer state, config).
+
+    Raises CorruptCheckpoint for damaged or missing files, CheckpointError for a checkpoint that is
+    intact but does not fit (another format or model)."""
     ckpt = Path(ckpt)
-    if not is_complete(ckpt):
-        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker or {METADATA_FILE})")
+    if not (ckpt / MARKER).is_file():
+        raise CorruptCheckpoint(ckpt, f"no {MARKER} marker: an interrupted save")
+    verify_files(ckpt)
     metadata = read_metadata(ckpt)
     state = read_trainer_state(ckpt)
     cfg = read_checkpoint_config(ckpt)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.integrity import CorruptCheckpoint
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
     checkpoint_step,
@@ -19,6 +20,7 @@ from trainer.checkpoint.layout import (
     resolve_checkpoint,
     step_dir_name,
 )
+from trainer.checkpoint.selection import newest_intact
 from trainer.checkpoint.verify import (
     DCP_ERRORS,
     SafeReader,
@@ -27,6 +29,7 @@ from trainer.checkpoint.verify import (
     flatten_state,
     read_checkpoint_config,
     read_metadata,
+    verify_files,
 )
 from trainer.config import from_dict
 from trainer.errors import CheckpointError
@@ -36,10 +39,18 @@ from trainer.parallel.base import tied_aliases
 
 
 def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
-    """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process."""
+    """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process, once every
+    file matches its recorded checksum (a corrupt checkpoint is refused, naming an intact one)."""
     ckpt_dir = Path(ckpt_dir)
-    metadata = read_metadata(ckpt_dir)
-    check_files(ckpt_dir, metadata)
+    try:
+        verify_files(ckpt_dir)
+        metadata = read_metadata(ckpt_dir)
+        check_files(ckpt_dir, metadata)
+    except CorruptCheckpoint as err:
+        root = ckpt_dir.parent if checkpoint_step(ckpt_dir) is not None else ckpt_dir / CHECKPOINT_DIR
+        intact = newest_intact(root, exclude=ckpt_dir)
+        hint = f"the newest intact checkpoint is {intact}" if intact else f"no intact checkpoint is left under {root}"
+        raise CheckpointError(f"{err}; {hint}") from None
     aliases = tied_aliases(model)
     template = {k: v for k, v in model.state_dict().items() if k not in aliases}
     check_template(ckpt_dir, metadata, flatten_state({"model": template}))
