@@ -234,7 +234,9 @@ def test_bad_checkpoint_is_one_clear_error(kind, mode, data_dir, references, tmp
     expected = _damage(kind, ckpt)
     before = {p.name: p.stat().st_size for p in ckpt.iterdir()}
     extra = ("model.n_layer=3",) if kind == "another model" else ()
-    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", *MODES[mode], *extra))
+    # An explicit checkpoint: extending a finished run's schedule (max_steps 8 -> 9) takes one.
+    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", *MODES[mode], *extra,
+                                f"resume={ckpt}"))
     line = one_line_error(proc)
     assert expected in line and str(ckpt) in line, line
     assert {p.name: p.stat().st_size for p in ckpt.iterdir()} == before  # left as it was
@@ -318,7 +320,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, referenc
         pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN) to fill a disk")
     try:
         ckpt = copy_run(reference, run_dir)
-        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9"))
+        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", f"resume={ckpt}"))
         line = one_line_error(proc)
         assert f"could not save checkpoint {NEXT}" in line and "no space left on the device" in line, line
         assert f"the previous checkpoint {ckpt} is intact" in line, line

@@ -31,10 +31,15 @@ _FROM_OLDER: dict[str, Path] = {}
 
 
 def copy_whole_run(reference: Path, dest: Path) -> Path:
-    """A run dir with the reference's metrics, config record and all its checkpoints; returns checkpoints/."""
+    """A run dir with the reference's metrics, config record and all its checkpoints, made to look
+    like a 9-step run (RESUMED) killed after its step-8 checkpoint: the same command continues
+    it with resume=auto. Returns checkpoints/."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "resolved_config.json"):
-        shutil.copy(reference / name, dest / name)
+    lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dest / "metrics.jsonl").write_text("".join(line for line in lines if '"summary"' not in line))
+    record = json.loads((reference / "resolved_config.json").read_text())
+    record["train"]["max_steps"] = 9
+    (dest / "resolved_config.json").write_text(json.dumps(record, indent=2, sort_keys=True))
     shutil.copytree(reference / "checkpoints", dest / "checkpoints")
     return dest / "checkpoints"
 

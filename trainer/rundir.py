@@ -43,7 +43,8 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     when it belongs to another run.
 
     resume=auto continues this run's own outputs; resume=never refuses a directory with outputs;
-    resume=PATH must name a complete checkpoint (or a run directory with one). Without `config`
+    resume=PATH must name a complete checkpoint (or a run directory with one) and continues it
+    whatever the directory holds. Without `config`
     nothing tells this run's leftovers from another run's, so only a checkpoint can be continued.
     A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always continues.
     The folder must be writable (see trainer.writable.check_writable_dir).
@@ -52,7 +53,10 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     if restart_count() > 0:
         return RunDirState.CONTINUE
     if resume not in ("auto", "never"):
+        # An explicit checkpoint is the user's choice of what to continue, also with another
+        # schedule or settings (the record is then rewritten with a line saying what changed).
         resolve_checkpoint(resume)  # raises CheckpointError naming what is wrong with PATH
+        return RunDirState.CONTINUE
     has_outputs = (run_dir / METRICS_FILE).exists() or has_checkpoint(run_dir, complete=False)
     if not has_outputs:
         return RunDirState.NEW
@@ -108,8 +112,8 @@ def finished_message(run_dir: Path) -> str:
     best = summary.get("best_val_loss")
     best_text = f", best val loss {best:.4f}" if isinstance(best, (int, float)) else ""
     return (f"run {run_dir} already finished (step {summary.get('steps')}, final train loss "
-            f"{summary.get('final_loss', float('nan')):.4f}{best_text}); nothing to do. A longer run needs "
-            "its own hydra.run.dir= (and resume=PATH to start from this one's checkpoint)")
+            f"{summary.get('final_loss', float('nan')):.4f}{best_text}); nothing to do. To train it further, "
+            f"name its checkpoint: train.max_steps=N resume={run_dir}")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
