@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
 from trainer.env import restart_count
 from trainer.errors import UserError
@@ -55,7 +56,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     if resume not in ("auto", "never"):
         # An explicit checkpoint is the user's choice of what to continue, also with another
         # schedule or settings (the record is then rewritten with a line saying what changed).
-        resolve_checkpoint(resume)  # raises CheckpointError naming what is wrong with PATH
+        check_chosen_files(resolve_checkpoint(resume))  # CheckpointError naming what is wrong with PATH
         return RunDirState.CONTINUE
     has_outputs = (run_dir / METRICS_FILE).exists() or has_checkpoint(run_dir, complete=False)
     if not has_outputs:

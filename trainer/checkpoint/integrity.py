@@ -27,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from trainer.checkpoint.layout import MARKER, METADATA_FILE
+from trainer.checkpoint.layout import CHECKPOINT_DIR, MARKER, METADATA_FILE, checkpoint_step, marked_checkpoints
 from trainer.errors import CheckpointError
 
 CHECKSUM_ALGO = "xxh3_128"
@@ -176,3 +176,35 @@ def verify_checkpoint_files(ckpt: Path) -> bool:
             if got != recorded[name]:
                 raise CorruptCheckpoint(ckpt, f"{name}: {algo} mismatch, {got} vs {recorded[name]} recorded")
     return True
+
+
+def alternative_hint(ckpt: Path, alternative: Path | None) -> str:
+    """What to say after "checkpoint X is corrupt": the newest intact checkpoint beside it, or none."""
+    if alternative is not None:
+        return f"the newest intact checkpoint is {alternative}: resume={alternative}"
+    return f"no intact checkpoint is left under {checkpoints_root(ckpt)}; start afresh in another hydra.run.dir="
+
+
+def checkpoints_root(ckpt: Path) -> Path:
+    """The `checkpoints/` folder a `step_*` checkpoint (or a run directory) belongs to."""
+    ckpt = Path(ckpt)
+    return ckpt.parent if checkpoint_step(ckpt) is not None else ckpt / CHECKPOINT_DIR
+
+
+def check_chosen_files(ckpt: Path) -> None:
+    """An explicitly chosen checkpoint's files, checked before anything is written (no torch): a
+    corrupt one is one CheckpointError naming the newest checkpoint beside it whose files verify."""
+    try:
+        verify_checkpoint_files(ckpt)
+    except CorruptCheckpoint as err:
+        alternative = next((c for c in marked_checkpoints(checkpoints_root(ckpt))
+                            if c.resolve() != Path(ckpt).resolve() and _files_intact(c)), None)
+        raise CheckpointError(f"{err}; {alternative_hint(ckpt, alternative)}") from None
+
+
+def _files_intact(ckpt: Path) -> bool:
+    try:
+        verify_checkpoint_files(ckpt)
+    except CheckpointError:
+        return False
+    return (Path(ckpt) / METADATA_FILE).is_file()

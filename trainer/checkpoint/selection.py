@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.checkpoint.integrity import CorruptCheckpoint
-from trainer.checkpoint.layout import CHECKPOINT_DIR, checkpoint_step, corrupt_dir, marked_checkpoints
+from trainer.checkpoint.integrity import CorruptCheckpoint, alternative_hint, checkpoints_root
+from trainer.checkpoint.layout import corrupt_dir, marked_checkpoints
 from trainer.checkpoint.verify import validate_checkpoint
 from trainer.errors import CheckpointError
 from trainer.io import fsync_dir
@@ -71,8 +71,5 @@ def check_explicit(ckpt: Path, model_cfg) -> Checked:
     try:
         return ckpt, validate_checkpoint(ckpt, model_cfg)
     except CorruptCheckpoint as err:
-        root = ckpt.parent if checkpoint_step(ckpt) is not None else ckpt / CHECKPOINT_DIR
-        alternative = newest_intact(root, model_cfg, exclude=ckpt)
-        hint = (f"the newest intact checkpoint is {alternative}: resume={alternative}" if alternative
-                else f"no intact checkpoint is left under {root}; start afresh in another hydra.run.dir=")
-        raise CheckpointError(f"{err}; {hint}") from None
+        alternative = newest_intact(checkpoints_root(ckpt), model_cfg, exclude=ckpt)
+        raise CheckpointError(f"{err}; {alternative_hint(ckpt, alternative)}") from None
