@@ -10,6 +10,7 @@ import socket
 import struct
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -18,13 +19,14 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
-from trainer.errors import UserError, WorkerFailed
+from trainer.errors import Stopped, UserError, WorkerFailed
+from trainer.signals import DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 
 
 def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,
-                fresh_processes: bool = False) -> dict:
+                fresh_processes: bool = False, stop_signals: bool = False) -> dict:
     """Run entrypoint(*args) on `world` workers and return rank 0's result (training, `dtrain
     eval` and the benchmarks all start their workers here).
 
@@ -32,7 +34,9 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     otherwise torchrun's engine starts world / nnodes workers on this node. `entrypoint` must be a
     module-level function (picklable); `launch` is the config's launch section; the workers other
     than local rank 0 log to files under `log_dir`. `fresh_processes` starts even one worker as a
-    new process (benchmarks measure a process that did nothing else).
+    new process (benchmarks measure a process that did nothing else). `stop_signals` (training):
+    SIGTERM, SIGINT and SIGUSR1 reach the workers, which save and stop; this process then raises
+    Stopped (exit code 128+N) once they are done (trainer.signals).
     """
     if under_torchrun() or (world == 1 and launch["nnodes"] == 1 and not fresh_processes):
         return entrypoint(*args)
@@ -60,7 +64,8 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     )
     _quiet_user_errors()
     try:
-        results = elastic_launch(config, entrypoint)(*args)
+        with DriverSignals() if stop_signals else nullcontext():
+            results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)
@@ -75,7 +80,10 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
                 f"({type(err).__name__}); check launch.rdzv_endpoint and that every node is started"
             ) from None
         raise
-    return results.get(0) if 0 in results else next(iter(results.values()), {})
+    result = results.get(0) if 0 in results else next(iter(results.values()), {})
+    if isinstance(result, dict) and result.get("stopped_by"):
+        raise Stopped(result["stopped_by"])  # the workers saved and rank 0 said so
+    return result
 
 
 def _rdzv_configs(launch: dict) -> dict:

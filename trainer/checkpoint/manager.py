@@ -95,6 +95,7 @@ class Checkpointer:
             self.pg = dist.new_group(backend="gloo")
         self.pending = None  # (future, tmp folder, final folder, step, JSON record) of an async save
         self.resumed_from: Path | None = None
+        self.last_saved: Path | None = None  # the newest save of this process (published or in flight)
 
     def _say(self, message: str) -> None:
         if self.rt.is_main:
@@ -223,6 +224,7 @@ class Checkpointer:
             except DCP_ERRORS as err:
                 raise self._failed(tmp, err) from None
             self.pending = (future, tmp, final, step, record)
+            self.last_saved = final
             return final
         try:
             dcp.save(tensors, checkpoint_id=tmp)
@@ -235,6 +237,15 @@ class Checkpointer:
             except OSError as err:
                 problem = str(self._failed(tmp, err))
         self.rt.agree(problem, CheckpointError)
+        self.last_saved = final
+        return final
+
+    def save_now(self, run) -> Path:
+        """Save this step (unless it was just saved) and wait until it is published: a stop."""
+        final = self.root / step_dir_name(run.state.step)
+        if self.last_saved != final:
+            final = self.save(run)
+        self.close()
         return final
 
     def _failed(self, tmp: Path, err: BaseException) -> CheckpointError:
