@@ -20,7 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
 from trainer.errors import Stopped, UserError, WorkerFailed
-from trainer.signals import DriverSignals
+from trainer.signals import ELASTIC_SIGNALS, DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 
@@ -61,6 +61,8 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         start_method="spawn",
         logs_specs=logs,
         local_addr=_node_network(launch),
+        # torch's agent would raise SignalException on SIGTERM/SIGINT and tear the workers down
+        **({"signals_to_handle": ELASTIC_SIGNALS} if stop_signals else {}),
     )
     _quiet_user_errors()
     try:

@@ -34,7 +34,9 @@ from trainer.errors import Stopped
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop signals and reports a second one
-ELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# What torch's agent may still turn into SignalException (LaunchConfig.signals_to_handle; its default
+# adds SIGTERM and SIGINT): the stop signals are DriverSignals' to handle.
+ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 PARENT_POLL_S = 0.5
 RELAY_PERIOD_S = 1.0
 
@@ -193,10 +195,7 @@ class DriverSignals:
     def __enter__(self) -> DriverSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
-        # torch's PContext.start installs its SignalException handler on the signals listed here
-        # (default SIGTERM,SIGINT,SIGHUP,SIGQUIT); these stop signals are this class's to handle.
-        self._set_env(ELASTIC_SIGNALS_ENV, "SIGHUP,SIGQUIT")
-        self._set_env(RELAY_ENV, "1")
+        self._set_env(RELAY_ENV, "1")  # inherited by the workers
         for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self._handle)
             # Ignored here and so in every worker until its own handler is up (an ignored
