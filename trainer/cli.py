@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from trainer.errors import UserError, WorkerFailed
+from trainer.errors import Stopped, UserError, WorkerFailed
 
 # name -> one-line help. Each command is trainer.commands.<name>.cmd_<name>(argv).
 COMMANDS = {
@@ -59,5 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(err))
     except WorkerFailed as err:
         fail(str(err), code=1)
+    except Stopped as stop:  # the worker (rank 0) already printed what it saved
+        sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", code=130)

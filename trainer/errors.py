@@ -20,3 +20,17 @@ class CheckpointError(UserError):
 
 class WorkerFailed(Exception):
     """A worker died for a reason that is not the user's input; carries its error report."""
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT, SIGUSR1) ended the run at a step boundary, its checkpoint
+    saved: the process exits with 128 + signum. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way up takes a requested stop for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

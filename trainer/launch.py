@@ -7,7 +7,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -15,14 +15,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
-from trainer.errors import UserError, WorkerFailed
+from trainer.errors import Stopped, UserError, WorkerFailed
 from trainer.rendezvous import rendezvous_plan
+from trainer.signals import ELASTIC_SIGNALS, DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 
 
 def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,
-                fresh_processes: bool = False) -> dict:
+                fresh_processes: bool = False, stop_signals: bool = False) -> dict:
     """Run entrypoint(*args) on `world` workers and return rank 0's result (training, `dtrain
     eval` and the benchmarks all start their workers here).
 
@@ -30,7 +31,9 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     otherwise torchrun's engine starts world / nnodes workers on this node. `entrypoint` must be a
     module-level function (picklable); `launch` is the config's launch section; the workers other
     than local rank 0 log to files under `log_dir`. `fresh_processes` starts even one worker as a
-    new process (benchmarks measure a process that did nothing else).
+    new process (benchmarks measure a process that did nothing else). `stop_signals` (training):
+    SIGTERM, SIGINT and SIGUSR1 reach the workers, which save and stop; this process then raises
+    Stopped (exit code 128+N) once they are done (trainer.signals).
     """
     if under_torchrun() or (world == 1 and launch["nnodes"] == 1 and not fresh_processes):
         return entrypoint(*args)
@@ -56,10 +59,12 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         start_method="spawn",
         logs_specs=logs,
         local_addr=local_addr,
+        # torch's agent would raise SignalException on SIGTERM/SIGINT and tear the workers down
+        **({"signals_to_handle": ELASTIC_SIGNALS} if stop_signals else {}),
     )
     _quiet_user_errors()
     try:
-        with _environment(worker_env):
+        with _environment(worker_env), DriverSignals() if stop_signals else nullcontext():
             results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
@@ -75,7 +80,10 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
                 f"({type(err).__name__}); check launch.rdzv_endpoint and that every node is started"
             ) from None
         raise
-    return results.get(0) if 0 in results else next(iter(results.values()), {})
+    result = results.get(0) if 0 in results else next(iter(results.values()), {})
+    if isinstance(result, dict) and result.get("stopped_by"):
+        raise Stopped(result["stopped_by"])  # the workers saved and rank 0 said so
+    return result
 
 
 def _rdzv_configs(launch: dict) -> dict:

@@ -20,6 +20,7 @@ from trainer.model import build_model
 from trainer.optim import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
+from trainer.signals import at_step_boundary
 from trainer.trackers import open_trackers
 
 
@@ -198,6 +199,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
                 steps.restart_window()
             if checkpointer is not None and checkpointer.after_step(run, last):
                 steps.restart_window()
+            at_step_boundary(run, checkpointer)  # a stop signal: all ranks save here and raise Stopped
         wall = time.perf_counter() - t_start
         result = RunResult(
             final_loss=state.last_loss,

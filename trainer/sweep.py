@@ -30,7 +30,7 @@ from rich.console import Console
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.compose import compose, split_args, sweep_points
 from trainer.env import under_torchrun
-from trainer.errors import UserError
+from trainer.errors import Stopped, UserError
 from trainer.io import write_atomic
 from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
 from trainer.results import (
@@ -154,7 +154,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
         result = runner()
     except BaseException as err:
         wall = time.perf_counter() - t0
-        interrupted = isinstance(err, KeyboardInterrupt)
+        interrupted = isinstance(err, (KeyboardInterrupt, Stopped))
         message = "interrupted" if interrupted else (str(err).strip() or type(err).__name__)
         first_line = _headline(message)
         if point.head:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import gc
+import os
 import traceback
 from dataclasses import asdict
 from pathlib import Path
 
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config import from_dict
+from trainer.env import under_torchrun
+from trainer.errors import Stopped
 from trainer.loop import train
 from trainer.parallel import strategy_class
 from trainer.preflight import preflight
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.runtime import init_runtime
+from trainer.signals import StopSignals
 
 
 def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> dict:
@@ -23,14 +27,22 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     `preflight_done=False` (plain torchrun, where every rank composed its own config) makes rank 0
     prepare the run and broadcast its config and run dir, so all ranks agree on both.
     """
+    # First of all: a stop signal or the launcher's death while the process group comes up is
+    # already handled (see trainer.signals).
+    stop = StopSignals(int(os.environ.get("RANK", 0))).install()
     cfg = from_dict(cfg_dict)
-    rt = init_runtime(
-        cfg.train.device,
-        strategy_class(cfg.parallel.mode).needs_process_group,
-        cfg.launch.timeout_s,
-        cfg.launch.threads_per_worker,
-    )
+    try:
+        rt = init_runtime(
+            cfg.train.device,
+            strategy_class(cfg.parallel.mode).needs_process_group,
+            cfg.launch.timeout_s,
+            cfg.launch.threads_per_worker,
+        )
+    except BaseException:
+        stop.uninstall(clean=False)
+        raise
     lock = RunDirLock(Path(run_dir))  # plain torchrun: rank 0 holds the run directory's lock
+    clean = interrupted = False
     try:
         if not preflight_done:
             def prepare_run():
@@ -41,16 +53,23 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
 
             cfg_dict, run_dir, finished = rt.from_main(prepare_run)
             if finished:
+                clean = True
                 return {}
             cfg = from_dict(cfg_dict)
         result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
+        clean = True
         return asdict(result)
     except BaseException as err:
         # The traceback's frames keep the wrapped model alive; freeing a DDP model after its
         # gloo group is destroyed can deadlock at exit, so let go of it before the teardown.
         traceback.clear_frames(err.__traceback__)
+        clean = isinstance(err, Stopped)  # every rank stopped at the same step, checkpoint saved
+        interrupted = isinstance(err, KeyboardInterrupt)
+        if clean and under_torchrun() and preflight_done:
+            return {"stopped_by": err.signum}  # dtrain's driver exits 128+N (an error would be a failure)
         raise
     finally:
+        stop.uninstall(clean)
         gc.collect()
-        rt.shutdown()
+        rt.shutdown(barrier=not interrupted)
         lock.release()

@@ -1,6 +1,7 @@
 """dtrain's step against a bare PyTorch loop, in the same worker (`scripts/bench.py --vs-bare`).
 
-`vs_bare_worker` alternates blocks of dtrain steps (`Run.train_step` + the loop's `StepLog`) with
+`vs_bare_worker` alternates blocks of dtrain steps (`Run.train_step` + the loop's `StepLog` and its
+stop-signal check at the step boundary) with
 blocks of a hand-written loop (the same GPT, AdamW, batch and tokens; plain DDP when world > 1)
 in one process and reports both rates, round by round.
 """
@@ -20,6 +21,7 @@ from trainer.data.shards import open_split
 from trainer.loop import Run
 from trainer.model import build_model
 from trainer.runtime import Runtime
+from trainer.signals import StopSignals, at_step_boundary
 
 from .harness import on_every_rank, step_bookkeeping, sync
 
@@ -97,11 +99,13 @@ def _vs_bare(cfg, rt: Runtime, rounds: int, block: int, warmup: int) -> dict:
         steplog, metrics = step_bookkeeping(run, Path(run_dir))
         bare = BareLoop(cfg, rt, np.concatenate(open_split(cfg.data, "train")), run.plan.grad_accum_steps)
         counters = {"dtrain": 0, "bare": 0}
+        stop = StopSignals(rt.rank).install()  # the loop's per-step agreement on stop signals is timed too
 
         def dtrain_block(n):
             for _ in range(n):
                 s = counters["dtrain"]
                 steplog.after_step(*run.train_step(s))
+                at_step_boundary(run, None)
                 counters["dtrain"] += 1
 
         def bare_block(n):
@@ -124,6 +128,7 @@ def _vs_bare(cfg, rt: Runtime, rounds: int, block: int, warmup: int) -> dict:
                 sync(rt.device)
                 seconds[name].append(time.perf_counter() - t0)
         metrics.close()
+        stop.uninstall(clean=True)
         tokens_per_block = block * run.plan.total_batch_size
     return {"rank": rt.rank, "tokens_per_block": tokens_per_block,
             "dtrain_s": seconds["dtrain"], "bare_s": seconds["bare"],

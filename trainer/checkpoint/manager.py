@@ -113,6 +113,7 @@ class Checkpointer:
         # (the training continues meanwhile; measured in scripts/bench_checksum.py).
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-checksum")
         self.resumed_from: Path | None = None
+        self.last_saved: Path | None = None  # the newest save of this process (published or in flight)
 
     def _say(self, message: str) -> None:
         if self.rt.is_main:
@@ -246,6 +247,7 @@ class Checkpointer:
             except DCP_ERRORS as err:
                 raise self._failed(tmp, err) from None
             self.pending = (self.hasher.submit(self._checksums_after, future, tmp), tmp, final, step, record)
+            self.last_saved = final
             return final
         try:
             dcp.save(tensors, checkpoint_id=tmp)
@@ -256,6 +258,15 @@ class Checkpointer:
         self.pending = (self.hasher.submit(self._checksums_after, written, tmp), tmp, final, step, record)
         if wait:
             self._finish_pending(together=True)
+        self.last_saved = final
+        return final
+
+    def save_now(self, run) -> Path:
+        """Save this step (unless it was just saved) and wait until it is published: a stop."""
+        final = self.root / step_dir_name(run.state.step)
+        if self.last_saved != final:
+            final = self.save(run)
+        self.close()
         return final
 
     def _own_checksums(self, tmp: Path) -> dict:

@@ -148,9 +148,11 @@ def run_training(cfg, run_dir: Path, checked: bool) -> dict:
         return worker_main(cfg_dict, str(run_dir), preflight_done=False)
     if checked:
         record_config(cfg, run_dir)
-        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
+        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
+                           stop_signals=True)
     with RunDirLock(run_dir) as lock:
         if preflight(cfg, run_dir, world, lock) is RunDirState.FINISHED:
             return {}
         check_mode(cfg, world)
-        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs")
+        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
+                           stop_signals=True)

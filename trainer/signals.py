@@ -1,0 +1,242 @@
+"""Stop signals: SIGTERM, SIGINT or SIGUSR1 (Slurm's `--signal=B:USR1@120`) saves and exits 128+N.
+
+Worker side (every rank; also a one-process run, where the worker is the driver): the handler only
+records the signal. At each optimizer-step boundary the loop calls `at_step_boundary`: the ranks
+agree on the largest signal number any of them recorded (a MAX all-reduce), save a checkpoint, rank
+0 prints one line, and every rank raises `Stopped` (exit code 128+N). The all-reduce is asynchronous
+on a gloo group of its own and is read one boundary later, so a step never waits for it (no host
+sync on the accelerator either): a signal is acted on at most one step late, by all ranks at the
+same step. A second signal exits at once, without saving.
+
+Driver side (`DriverSignals`, around torchrun's engine in launch.run_workers): torch's elastic agent
+would turn SIGTERM/SIGINT into SignalException and tear the workers down within seconds, so its
+handlers are kept off these signals; the driver relays the first signal to its workers and waits
+for them to save, and a second one kills them and exits at once. The relay is SIGRTMIN+N, not N
+itself: a signal sent to the whole process group already reaches every worker, and a worker must
+not count the driver's copy as the second signal. Workers also exit on their own when the driver
+dies (kill -9): torch's spawn sends them SIGINT then, which the handler recognises by the changed
+parent pid, and a watchdog thread covers a main thread stuck inside a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.env import under_torchrun
+from trainer.errors import Stopped
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop signals and reports a second one
+# What torch's agent may still turn into SignalException (LaunchConfig.signals_to_handle; its default
+# adds SIGTERM and SIGINT): the stop signals are DriverSignals' to handle.
+ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
+PARENT_POLL_S = 0.5
+RELAY_PERIOD_S = 1.0
+
+_active: StopSignals | None = None
+
+
+def relay_of(signum: int) -> int:
+    """The real-time signal that carries stop signal `signum` from the driver to its workers."""
+    return signal.SIGRTMIN + signum
+
+
+def _say(text: str) -> None:
+    # os.write: a handler may interrupt a print on the same stream (a reentrant call would raise)
+    try:
+        os.write(sys.stderr.fileno(), f"dtrain: {text}\n".encode())
+    except (OSError, ValueError):
+        pass
+
+
+def _name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class StopSignals:
+    """A worker's stop-signal handlers and its side of the step-boundary agreement."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.signum = 0  # the first stop signal this process received (0: none)
+        self.relayed_by_driver = os.environ.get(RELAY_ENV) == "1"
+        # A launcher's worker (torchrun or dtrain's driver) dies with its launcher.
+        self.parent = os.getppid() if under_torchrun() else None
+        self.previous: dict[int, object] = {}
+        self.group = None
+        self.pending = None  # (work, tensor) of the all-reduce issued at the previous boundary
+
+    def install(self) -> StopSignals:
+        global _active
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread
+        for sig in STOP_SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._direct)
+            self.previous[relay_of(sig)] = signal.signal(relay_of(sig), self._relayed)
+        if self.parent is not None:
+            threading.Thread(target=self._watch_parent, name="dtrain-parent-watchdog", daemon=True).start()
+        _active = self
+        return self
+
+    def uninstall(self, clean: bool) -> None:
+        """Restore the previous handlers; `clean`: every rank left the loop together, so the
+        all-reduce still in flight completes and is waited for (not after a failure: a dead peer)."""
+        global _active
+        if clean and self.pending is not None:
+            self.pending[0].wait()
+        self.pending = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+        if _active is self:
+            _active = None
+
+    # --- handlers: record only; the loop acts at the step boundary ---
+    def _orphaned(self) -> bool:
+        return self.parent is not None and os.getppid() != self.parent
+
+    def _direct(self, signum, frame) -> None:
+        if self._orphaned():
+            os._exit(128 + signum)  # spawn's parent-death SIGINT: the launcher is gone, nobody waits
+        if not self.signum:
+            self._first(signum)
+            return
+        if self.rank == 0 and not self.relayed_by_driver:  # dtrain's driver reports it itself
+            _say(f"second signal ({_name(signum)}): stopping at once without saving; exiting with {128 + signum}")
+        os._exit(128 + signum)
+
+    def _relayed(self, signum, frame) -> None:
+        # The driver's copy of a stop signal; a worker that got the signal itself already has it.
+        if not self.signum:
+            self._first(signum - signal.SIGRTMIN)
+
+    def _first(self, signum: int) -> None:
+        self.signum = signum
+        if self.rank == 0:
+            _say(f"{_name(signum)} received: saving a checkpoint at the end of this step "
+                 "(a second signal stops at once)")
+
+    def _watch_parent(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(PARENT_POLL_S):
+            if self._orphaned():
+                os._exit(128 + signal.SIGINT)  # as spawn's parent-death signal would have ended it
+
+    # --- the step boundary ---
+    def agreed(self, rt) -> int:
+        """The stop signal all ranks act on at this boundary (0: none); the same on every rank."""
+        if not (rt.distributed and rt.world > 1):
+            return self.signum
+        if self.group is None:  # every rank reaches its first boundary: a collective call is safe
+            self.group = dist.new_group(backend="gloo")
+        agreed = 0
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()  # issued one step ago by every rank: long done
+            agreed = int(flag.item())
+        self.pending = None
+        if not agreed:
+            flag = torch.tensor([self.signum], dtype=torch.int32)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.pending = (work, flag)
+        return agreed
+
+
+def at_step_boundary(run, checkpointer) -> None:
+    """After an optimizer step: when the ranks agree a stop signal arrived, save a checkpoint
+    (unless this step's is saved already), print one line on rank 0 and raise Stopped."""
+    stop = _active
+    if stop is None:
+        return
+    signum = stop.agreed(run.rt)
+    if not signum:
+        return
+    step = run.state.step
+    saved = "no checkpointer, nothing saved"
+    if checkpointer is not None:
+        saved = f"saved {checkpointer.save_now(run)}"
+    if run.rt.is_main:
+        print(f"dtrain: {_name(signum)} at step {step}: {saved}; exiting with {128 + signum}",
+              file=sys.stderr, flush=True)
+    raise Stopped(signum)
+
+
+def spawned_workers(parent: int) -> list[int]:
+    """The pids of `parent`'s multiprocessing-spawned children (torchrun's engine's workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return pids
+
+
+class DriverSignals:
+    """The driver's handlers while torchrun's engine runs the workers of a training run."""
+
+    def __init__(self):
+        self.signum = 0
+        self.done = threading.Event()
+        self.previous: dict[int, object] = {}
+        self.saved_env: dict[str, str | None] = {}
+
+    def __enter__(self) -> DriverSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._set_env(RELAY_ENV, "1")  # inherited by the workers
+        for sig in STOP_SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+            # Ignored here and so in every worker until its own handler is up (an ignored
+            # disposition survives exec): a relay that comes too early is sent again.
+            self.previous[relay_of(sig)] = signal.signal(relay_of(sig), signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def _set_env(self, key: str, value: str) -> None:
+        self.saved_env[key] = os.environ.get(key)
+        os.environ[key] = value
+
+    def _handle(self, signum, frame) -> None:
+        if not self.signum:
+            self.signum = signum
+            threading.Thread(target=self._relay, name="dtrain-signal-relay", daemon=True).start()
+            return
+        for pid in spawned_workers(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _say(f"second signal ({_name(signum)}): stopped the workers without saving; exiting with {128 + signum}")
+        os._exit(128 + signum)
+
+    def _relay(self) -> None:
+        # Until the workers are done: one that was still starting (or a restarted one) gets it too.
+        while not self.done.is_set():
+            for pid in spawned_workers(os.getpid()):
+                try:
+                    os.kill(pid, relay_of(self.signum))
+                except ProcessLookupError:
+                    pass
+            self.done.wait(RELAY_PERIOD_S)
