@@ -9,7 +9,7 @@ EXTRAS := dev,plot,tensorboard,export
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup train sweep report test lint clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench
+.PHONY: help setup train sweep report test lint clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ smoke-zero: setup ## a few steps of DDP + ZeRO, world 2
 	$(DTRAIN) train $(SMOKE) parallel=zero world=2 hydra.run.dir=outputs/smoke/zero-$$(date +%s%N)
 smoke-fsdp: setup ## a few steps of FSDP2, world 2
 	$(DTRAIN) train $(SMOKE) parallel=fsdp world=2 hydra.run.dir=outputs/smoke/fsdp-$$(date +%s%N)
+
+chaos: setup ## faults caused for real on a ddp world-2 run (worker SIGKILL, driver SIGTERM, corrupt checkpoint, non-finite rollback) and the verdict
+	$(PY) scripts/chaos.py $(ARGS)
 
 bench: setup ## tokens/s, step-time split and memory per rank for each parallel mode (ARGS="--model cpu16m --vs-bare ...")
 	$(PY) scripts/bench.py $(ARGS)
