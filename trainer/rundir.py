@@ -191,7 +191,7 @@ class RunDirLock:
         self.fd: int | None = None
 
     def probe(self) -> RunDirLock:
-        if self.run_dir.is_dir():
+        if self.fd is None and self.run_dir.is_dir():
             self._take()
         return self
 
