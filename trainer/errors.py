@@ -20,3 +20,9 @@ class CheckpointError(UserError):
 
 class WorkerFailed(Exception):
     """A worker died for a reason that is not the user's input; carries its error report."""
+
+
+class NonFiniteError(WorkerFailed):
+    """Training met a non-finite loss or gradient norm (or weights) and stopped before updating or
+    saving (train.on_nonfinite); the message is one line naming the step and the newest finite
+    checkpoint (exit code 1)."""
