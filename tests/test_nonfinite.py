@@ -88,7 +88,7 @@ def test_skip_goes_on_and_counts(data_dir, tmp_path):
     assert {r["step"]: r["skipped"] for r in train} == {1: 0, 3: 1, 4: 1, 6: 1, 8: 0}
     assert all(r["loss"] is None for r in train if r["step"] in (3, 4, 6))
     summary = records[-1]["summary"]
-    assert summary["skipped"] == 3 and summary["steps"] == 8 and summary["final_loss"] == train[-1]["loss"]
+    assert summary["skipped"] == 3 and summary["steps"] == 8 and summary["final_loss"] == pytest.approx(train[-1]["loss"])
     assert train[-1]["loss"] > 0 and steps_of(run_dir) == [4, 8]
     assert_finite_checkpoints(run_dir)
 
@@ -170,11 +170,13 @@ def _nan_checkpoint(run_dir: Path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("argv", [["export", "{run}", "--out", "{run}/hf"], ["sample", "{run}", "--tokens", "4"],
-                                  ["eval", "{run}", "eval.limit=1"]])
+                                  ["eval", "{run}", "eval.hellaswag.path={run}/hs.jsonl"]])
 def test_commands_refuse_a_nonfinite_checkpoint(stopped, argv, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(stopped[0], run_dir)
     _nan_checkpoint(run_dir, monkeypatch)
+    example = {"ctx": "The king", "endings": ["spoke.", "ran.", "sat.", "slept."], "label": 0}
+    (run_dir / "hs.jsonl").write_text(json.dumps(example) + "\n")
     with pytest.raises(SystemExit) as exit_info:
         main([a.format(run=run_dir) for a in argv])
     err = capsys.readouterr().err
