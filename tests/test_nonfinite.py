@@ -77,6 +77,16 @@ def test_stop_is_one_line_exit_1_and_saves_nothing_after_the_bad_step(stopped):
     assert max(r["step"] for r in records) == 5
 
 
+def test_stop_under_ddp_is_one_clean_line(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=6",
+                                "checkpoint.interval=2"), env=inject(3))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == error_lines(proc), proc.stderr  # nothing but the line
+    assert len(error_lines(proc)) == 1 and "at step 3" in proc.stderr and "step_000002" in proc.stderr
+    assert steps_of(run_dir) == [2]
+
+
 def test_skip_goes_on_and_counts(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=8", "train.log_interval=4",
