@@ -21,6 +21,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # trainer/parallel/); read from the folder so that checking a config never imports torch.
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
 DTYPES = ("auto", "float32", "bfloat16")
+ON_NONFINITE = ("stop", "skip", "rollback")
 # Token ids the data holds: every dataset is encoded with GPT-2's BPE (trainer/data/tokenizer.py's
 # VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
 TOKENIZER_VOCAB_SIZE = 50257
@@ -118,6 +119,11 @@ class TrainConfig:
     # Peak FLOP/s of one worker's device, for the `mfu` field of metrics.jsonl. null = known GPUs
     # only (H100/H200 989e12, A100 312e12 dense bf16); set it to get MFU elsewhere (e.g. a CPU).
     peak_flops: Optional[float] = None
+    # A non-finite loss or grad norm (checked on every rank before the update): stop (exit 1),
+    # skip the update, or rollback to the newest finite checkpoint; max_nonfinite bounds the
+    # skips in a row / the rollbacks before the run stops anyway.
+    on_nonfinite: str = "stop"
+    max_nonfinite: int = 3
 
 
 @dataclass
@@ -290,6 +296,7 @@ RANGES = {
     "train.log_interval": _at_least(1),
     "train.sample_tokens": _at_least(0),  # 0 = no sample
     "train.peak_flops": _positive(),
+    "train.max_nonfinite": _at_least(1),
     "checkpoint.interval": _at_least(0),  # 0 = only at the end
     "checkpoint.keep": _at_least(1),
     "eval.interval": _at_least(0),  # 0 = never during training
@@ -352,6 +359,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    if t.on_nonfinite not in ON_NONFINITE:
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
     if t.seq_len > m.block_size:

@@ -34,3 +34,9 @@ class Stopped(BaseException):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class NonFiniteError(WorkerFailed):
+    """Training met a non-finite loss or gradient norm (or weights) and stopped before updating or
+    saving (train.on_nonfinite); the message is one line naming the step and the newest finite
+    checkpoint (exit code 1)."""

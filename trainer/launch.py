@@ -15,11 +15,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
-from trainer.errors import Stopped, UserError, WorkerFailed
+from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
 from trainer.rendezvous import rendezvous_plan
 from trainer.signals import ELASTIC_SIGNALS, DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
+# Failures that are one line without a traceback, though not the user's (exit code 1).
+ONE_LINE_FAILURES = ("NonFiniteError",)
 
 
 def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, world: int, log_dir: Path,
@@ -72,6 +74,9 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         first = message.split("\n")[0]
         if any(message.startswith(kind + ":") or f".{kind}:" in first for kind in USER_ERROR_TYPES):
             raise UserError(message.split(":", 1)[1].strip().split("\n")[0]) from None
+        for kind in ONE_LINE_FAILURES:
+            if f"{kind}:" in first:
+                raise NonFiniteError(first.split(f"{kind}:", 1)[1].strip()) from None
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}):\n{message}") from None
     except Exception as err:  # rendezvous failures surface as several torch exception types
         if type(err).__name__.startswith("Rendezvous") or "rendezvous" in str(err).lower():
@@ -117,7 +122,7 @@ class _DropUserErrorReports:
             text += str(record.exc_info[1])
         if text.startswith("Terminating process") and "via signal" in text:
             return False
-        return not any(f"trainer.errors.{kind}:" in text for kind in USER_ERROR_TYPES)
+        return not any(f"trainer.errors.{kind}:" in text for kind in USER_ERROR_TYPES + ONE_LINE_FAILURES)
 
 
 def _quiet_user_errors() -> None:

@@ -12,11 +12,13 @@ import torch
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split
+from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
 from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
 from trainer.model import build_model
+from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
@@ -42,6 +44,8 @@ class RunResult:
     tokens_per_s: float
     wall_s: float
     steps: int
+    skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
+    rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
 
 
 class Run:
@@ -68,6 +72,7 @@ class Run:
         if cfg.train.compile:
             self.forward = torch.compile(self.model)
         self.state = TrainState()
+        self.guard = NonFiniteGuard(cfg.train, rt)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
     def _val_loader(self) -> ShardLoader:
@@ -97,21 +102,23 @@ class Run:
 
     # --- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step: the scheduled lr, the micro-steps, then clip, update and count the step
-        in `state`. Returns (mean loss, grad norm, lr) on device; nothing here waits for the device,
-        so logging decides when to sync. Its two phases are methods of their own so that
-        benchmarks time this very code."""
+        """One optimizer step: the scheduled lr, the micro-steps, then clip, check, update (only when
+        the loss and grad norm are finite on every rank: `guard.finite`) and count the step in
+        `state`. Returns (mean loss over all ranks, grad norm, lr); the check's read of the two is
+        the step's one host sync. Its two phases are methods of their own so that benchmarks time
+        this very code."""
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         set_lr(self.optimizer, lr)
-        loss = self.forward_backward()
-        grad_norm = self.optimizer_step()
+        loss = self.forward_backward(poison=self.guard.poisons(step))
+        loss, grad_norm = self.optimizer_step(loss)
         self.state.step = step + 1
         self.state.tokens += self.plan.total_batch_size
         return loss, grad_norm, lr
 
-    def forward_backward(self) -> torch.Tensor:
+    def forward_backward(self, poison: bool = False) -> torch.Tensor:
         """Forward and backward of the step's grad_accum_steps micro batches from the train loader
-        (gradients sync on the last); returns their mean loss on device."""
+        (gradients sync on the last); returns their mean loss on device. `poison`: the testing hook
+        DTRAIN_INJECT_NONFINITE (trainer/nonfinite.py) makes the loss NaN."""
         self.model.train()
         accum = self.plan.grad_accum_steps
         loss_sum = torch.zeros((), device=self.rt.device)
@@ -122,16 +129,24 @@ class Run:
                     # Only the loss: holding the logits (B x T x vocab) through backward would keep
                     # the largest activation alive for nothing.
                     loss = self.forward(x, y)[1]
+                    if poison:
+                        loss = loss * math.nan
                 # Each micro-step's gradient is 1/accum of the step's mean-loss gradient.
                 (loss / accum).backward()
             loss_sum += loss.detach()
         return loss_sum / accum
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip the gradients and update the weights; returns the gradient norm before clipping."""
+    def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the gradients, check the step on every rank (trainer/nonfinite.py) and update the
+        weights only when it is finite (else drop the gradients). Returns (mean loss over all
+        ranks, gradient norm before clipping)."""
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        self.strategy.optimizer_step(self.optimizer)
-        return grad_norm
+        loss = self.guard.check(loss, grad_norm)
+        if self.guard.finite:
+            self.strategy.optimizer_step(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
 
     @torch.no_grad()
     def val_loss(self) -> float:
@@ -180,24 +195,35 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
             + (f" | resumed at step {start_step}" if start_step else "")
         )
     steps = StepLog(run, metrics, view)
+    guard = run.guard
     t_start = time.perf_counter()
     steps.restart_window(t_start)
     try:
-        for step in range(start_step, t.max_steps):
-            steps.after_step(*run.train_step(step))
+        while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
+            steps.after_step(*run.train_step(state.step))
+            if not guard.finite and guard.respond(guard.describe(), run, checkpointer, metrics):
+                steps.restart_window()
+                continue
             last = state.step == t.max_steps
             if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
                 val = run.val_loss()
-                state.best_val_loss = min(state.best_val_loss, val)
+                if math.isfinite(val):
+                    state.best_val_loss = min(state.best_val_loss, val)
                 metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val})
                 view.print(f"step {state.step}: val loss {val:.4f}")
                 steps.restart_window()  # tokens/s measures training, not evaluation
+                if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer, metrics):
+                    continue
             if hellaswag is not None and (state.step % cfg.eval.interval == 0 or last):
                 hs = hellaswag.evaluate(run.strategy.inference_model(run.model), rt, run.strategy.autocast)
                 metrics.log({"step": state.step, "tokens": state.tokens, **hs.metrics()})
                 view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} acc {hs.acc:.4f} (n={hs.n})")
                 steps.restart_window()
-            if checkpointer is not None and checkpointer.after_step(run, last):
+            try:
+                if checkpointer is not None and checkpointer.after_step(run, last):
+                    steps.restart_window()
+            except NonFiniteError as refused:  # non-finite weights after a finite step: rollback's business
+                guard.respond("weights", run, checkpointer, metrics, refused=refused)
                 steps.restart_window()
             at_step_boundary(run, checkpointer)  # a stop signal: all ranks save here and raise Stopped
         wall = time.perf_counter() - t_start
@@ -208,6 +234,8 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
             tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
             wall_s=wall,
             steps=state.step,
+            skipped=guard.skipped,
+            rollbacks=guard.rollbacks,
         )
         view.close()
         if t.sample_tokens > 0:
@@ -250,13 +278,15 @@ class StepLog:
         state = self.run.state
         self.tokens_window += self.tokens_per_step
         self.trained_tokens += self.tokens_per_step
-        if state.step % self.log_interval and state.step != self.max_steps and state.step != self.first_step:
+        finite = self.run.guard.finite  # a non-finite step is always logged (its numbers as null)
+        if finite and state.step % self.log_interval and state.step not in (self.max_steps, self.first_step):
             return
-        loss_value = self.run.rt.all_reduce_mean(loss).item()  # the only host sync of a step
+        loss_value = float(loss)  # reduced over ranks and read by the step's check: no extra sync
         now = time.perf_counter()
         tokens_per_s = self.tokens_window / (now - self.t_window)
         self.restart_window(now)
-        state.last_loss = loss_value
+        if finite:
+            state.last_loss = loss_value
         record = {
             "step": state.step,
             "tokens": state.tokens,
@@ -264,6 +294,7 @@ class StepLog:
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
+            "skipped": self.run.guard.take_skips(),  # updates skipped since the previous train line
         }
         status = f"loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s"
         if self.peak_total:

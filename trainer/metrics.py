@@ -43,6 +43,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _json_safe(value: Any) -> Any:
+    """`null` for a NaN or inf (JSON has neither; Python's json would write bare NaN tokens)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 class MetricsLogger:
     """Appends one JSON object per log line; a no-op on ranks other than 0."""
 
@@ -66,11 +77,19 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else v) for k, v in record.items()}
+        record = {k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else _json_safe(v))
+                  for k, v in record.items()}
         record.setdefault("time", round(time.time(), 3))
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         for sink in self.sinks:
             sink.log(record)
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines past `step` (a rollback to a checkpoint at `step`), as a resume does."""
+        if self._file is not None:
+            self._file.close()
+            self._truncate_after(step)
+            self._file = self.path.open("a", buffering=1)
 
     def close(self) -> None:
         if self._file is not None:

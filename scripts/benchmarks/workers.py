@@ -7,7 +7,7 @@
 * a phase split of the same step in separate, instrumented steps, each phase the product's own
   method (`Run.forward_backward`, `Run.optimizer_step`) between timers, with a barrier before each
   step and the train loader's `next_batch` timed apart: data wait, forward+backward with gradient
-  sync, optimizer (clip + step; ZeRO's parameter all-gather and FSDP's norm all-reduce are in
+  sync, optimizer (clip, the non-finite check + step; ZeRO's parameter all-gather and FSDP's norm all-reduce are in
   here). Compute is forward+backward of the same number and shape of micro batches on a plain,
   unwrapped replica of the model (same threads and dtype), run just before each instrumented step
   in lockstep on every rank; exposed communication is the synced forward+backward minus that (the
@@ -123,12 +123,12 @@ def _phase_split(run: Run, first_step: int, steps: int) -> dict:
             set_lr(run.optimizer, lr_at(step, cfg.optim, cfg.train.max_steps))
             loader.waited = 0.0
             t0 = time.perf_counter()
-            run.forward_backward()
+            loss = run.forward_backward()
             sync(rt.device)
             t1 = time.perf_counter()
             grad_bytes = tensor_bytes(p.grad for p in run.strategy.unwrap(run.model).parameters())
             t2 = time.perf_counter()
-            run.optimizer_step()
+            run.optimizer_step(loss)
             sync(rt.device)
             t3 = time.perf_counter()
             if i:

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
 from trainer.checkpoint.integrity import checksum_files, marker_record, rank_files
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
@@ -42,7 +43,7 @@ from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state
 from trainer.config import to_dict
 from trainer.env import restart_count
-from trainer.errors import CheckpointError, ConfigError
+from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import first_line, fsync_dir, write_durable
 
 
@@ -207,6 +208,22 @@ class Checkpointer:
         step = run.state.step
         name = step_dir_name(step)
         tmp, final = self.root / (TMP_PREFIX + name), self.root / name
+        strategy = run.strategy
+        tensors = {
+            "model": strategy.model_state_dict(run.model),
+            "optim": strategy.optimizer_state_dict(run.model, run.optimizer),
+        }
+        # Every rank checks its own shards; the gather every save makes anyway tells all ranks.
+        local = {"loader": run.train_loader.state_dict(), "rng": rng_state(self.rt.device),
+                 "nonfinite": nonfinite_tensors(tensors)}
+        gathered = self.rt.all_gather_object(local)
+        bad = sorted({n for g in gathered for n in g.get("nonfinite", [])})
+        if bad:  # nothing written: the newest checkpoint stays the newest finite one
+            previous = latest_checkpoint(self.root) or self.resumed_from
+            raise NonFiniteError(
+                f"refusing to save checkpoint {name}: {describe_nonfinite(bad)}; the newest finite checkpoint "
+                f"is {previous or 'none (no checkpoint was written)'}; lower optim.lr, or see train.on_nonfinite"
+            )
         problem = None
         if self.rt.is_main:
             try:
@@ -217,14 +234,6 @@ class Checkpointer:
             except OSError as err:
                 problem = self._save_problem(tmp, err)
         self.rt.agree(problem, CheckpointError)
-
-        local = {"loader": run.train_loader.state_dict(), "rng": rng_state(self.rt.device)}
-        gathered = self.rt.all_gather_object(local)
-        strategy = run.strategy
-        tensors = {
-            "model": strategy.model_state_dict(run.model),
-            "optim": strategy.optimizer_state_dict(run.model, run.optimizer),
-        }
         record = None
         if self.rt.is_main:
             s = run.state

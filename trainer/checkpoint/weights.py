@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
 from trainer.checkpoint.integrity import CorruptCheckpoint
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
@@ -61,6 +62,17 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     except DCP_ERRORS as err:
         raise CheckpointError(f"checkpoint {ckpt_dir} could not be read: {first_line(err)}") from None
     model.load_state_dict({**template, **{a: template[n] for a, n in aliases.items()}})
+    _check_finite(model, ckpt_dir)
+
+
+def _check_finite(model: torch.nn.Module, source: Path) -> None:
+    """Refuse weights holding NaN or inf (a diverged run's): nothing useful comes out of them."""
+    bad = nonfinite_tensors(model.state_dict())
+    if bad:
+        raise CheckpointError(
+            f"{source} holds non-finite weights: {describe_nonfinite(bad)}; its run diverged, so use an "
+            "earlier checkpoint (--step N for export and sample, ckpt=PATH for eval) or retrain with a lower optim.lr"
+        )
 
 
 def model_from_run(run_dir: Path, step: int | None = None, device: str | torch.device = "cpu"):
@@ -115,6 +127,7 @@ def load_weights(model: torch.nn.Module, weights: str) -> None:
         raise CheckpointError(
             f"{path} does not fit the run's model ({' '.join(str(err).split()[:30])} ...)"
         ) from None
+    _check_finite(model, path)
 
 
 def weights_step(weights: str) -> int | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from hydra._internal.callbacks import Callbacks
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, run_job
+from hydra.core.utils import JobReturn, JobStatus, run_job
 from hydra.types import HydraContext, RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
@@ -56,7 +56,7 @@ def _single_run(overrides: list[str]) -> None:
     job_cfg = _without_hydra(cfg)
     if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
         validate(job_cfg)
-        _ = _start_job(hydra_app, cfg).return_value  # raises the exception the run ended with
+        _raise_failure(_start_job(hydra_app, cfg))
         return
     world = requested_world(job_cfg)
     run_dir = Path(cfg.hydra.run.dir).absolute()
@@ -70,7 +70,7 @@ def _single_run(overrides: list[str]) -> None:
         with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
             lock.claim()
             job = _start_job(hydra_app, cfg)
-        _ = job.return_value  # raises the exception the run ended with
+        _raise_failure(job)
 
 
 def _start_job(hydra_app, cfg) -> JobReturn:
@@ -78,6 +78,13 @@ def _start_job(hydra_app, cfg) -> JobReturn:
     context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
     return run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
                    hydra_context=context)
+
+
+def _raise_failure(job: JobReturn) -> None:
+    """Raise the exception the run ended with, as it is (Hydra's own `job.return_value` would
+    first write 'Error executing job with overrides: [...]' above the one `error:` line)."""
+    if job.status == JobStatus.FAILED:
+        raise job._return_value
 
 
 def _sweep(args: list[str], overrides: list[str]) -> None:

@@ -1,0 +1,37 @@
+"""Whether a state's tensors are all finite: checked before a checkpoint is written (a diverged
+run's NaN weights are never saved) and after weights are read for eval, sample and export."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _tensors(state, prefix: str = ""):
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(state, torch.Tensor):
+        yield prefix.rstrip("."), state
+
+
+def nonfinite_tensors(state) -> list[str]:
+    """Dotted names of the floating-point tensors in a (nested) state dict that hold a NaN or an
+    inf; a sharded DTensor counts this rank's shard. One host sync for the whole state."""
+    by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
+    for name, tensor in _tensors(state):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_floating_point() and local.numel():
+            names, flags = by_device.setdefault(local.device, ([], []))
+            names.append(name)
+            flags.append(torch.isfinite(local).all())
+    bad = []
+    for names, flags in by_device.values():  # one read per device (AdamW keeps `step` on the CPU)
+        bad += [name for name, ok in zip(names, torch.stack(flags).tolist()) if not ok]
+    return sorted(bad)
+
+
+def describe_nonfinite(names: list[str]) -> str:
+    """A few of the tensor names, for an error line."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} with NaN or inf ({shown})"
