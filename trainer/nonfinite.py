@@ -137,7 +137,7 @@ class NonFiniteGuard:
         (an async save in flight is published first), or the one this run resumed from."""
         if checkpointer is None:
             return None
-        checkpointer.close()
+        checkpointer.flush()
         found = None
         if self.rt.is_main:
             ckpt = latest_checkpoint(checkpointer.root) or checkpointer.resumed_from

@@ -275,7 +275,7 @@ class Checkpointer:
         final = self.root / step_dir_name(run.state.step)
         if self.last_saved != final:
             final = self.save(run)
-        self.close()
+        self.flush()
         return final
 
     def _own_checksums(self, tmp: Path) -> dict:
@@ -381,8 +381,12 @@ class Checkpointer:
         elif problem:
             raise CheckpointError(problem)
 
+    def flush(self) -> None:
+        """Publish a save still in flight (every rank calls this together); saving goes on after."""
+        self._finish_pending(together=True)
+
     def close(self) -> None:
-        """Wait for a save still in flight and publish it."""
+        """Wait for a save still in flight and publish it; no save follows."""
         try:
             self._finish_pending()
         finally:
