@@ -53,7 +53,7 @@ class NonFiniteGuard:
     """One per worker (Run.guard): the per-step check and the response train.on_nonfinite asks for."""
 
     def __init__(self, train_cfg, rt: Runtime):
-        self.mode, self.limit, self.rt = train_cfg.on_nonfinite, train_cfg.max_nonfinite, rt
+        self.action, self.limit, self.rt = train_cfg.on_nonfinite, train_cfg.max_nonfinite, rt
         self.inject = injected_steps()
         self.finite = True  # the verdict on the last checked step
         self.loss = self.grad_norm = math.nan  # its numbers, reduced over ranks
@@ -79,7 +79,7 @@ class NonFiniteGuard:
         self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
         if self.finite:
             self.in_a_row = 0
-        elif self.mode == "skip":
+        elif self.action == "skip":
             self.skipped += 1
             self.unlogged_skips += 1
         return stats[0]
@@ -99,9 +99,9 @@ class NonFiniteGuard:
         (skip: False) or roll back (True: the loop goes on from the restored step)."""
         step = run.state.step
         self.in_a_row += 1
-        if self.mode == "stop" or (self.mode == "skip" and refused is not None):
+        if self.action == "stop" or (self.action == "skip" and refused is not None):
             raise refused or self._stop(f"{what} at step {step}", checkpointer)
-        if self.mode == "skip":
+        if self.action == "skip":
             if self.in_a_row < self.limit:
                 return False
             raise self._stop(f"{what} at step {step}, {self.in_a_row} in a row "

@@ -102,7 +102,7 @@ class StopSignals:
     def _orphaned(self) -> bool:
         return self.parent is not None and os.getppid() != self.parent
 
-    def _direct(self, signum, frame) -> None:
+    def _direct(self, signum, _frame) -> None:
         if self._orphaned():
             os._exit(128 + signum)  # spawn's parent-death SIGINT: the launcher is gone, nobody waits
         if not self.signum:
@@ -112,7 +112,7 @@ class StopSignals:
             _say(f"second signal ({_name(signum)}): stopping at once without saving; exiting with {128 + signum}")
         os._exit(128 + signum)
 
-    def _relayed(self, signum, frame) -> None:
+    def _relayed(self, signum, _frame) -> None:
         # The driver's copy of a stop signal; a worker that got the signal itself already has it.
         if not self.signum:
             self._first(signum - signal.SIGRTMIN)
@@ -218,7 +218,7 @@ class DriverSignals:
         self.saved_env[key] = os.environ.get(key)
         os.environ[key] = value
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, _frame) -> None:
         if not self.signum:
             self.signum = signum
             threading.Thread(target=self._relay, name="dtrain-signal-relay", daemon=True).start()
