@@ -54,9 +54,10 @@ def _crc32(path: Path) -> str:
     return f"{value:08x}"
 
 
-def _hashlib(name: str):
+def _streamed(new_hasher):
+    """A file digest by any hasher with update/hexdigest (hashlib's, xxhash's), read in chunks."""
     def digest(path: Path) -> str:
-        h = hashlib.new(name)
+        h = new_hasher()
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
         with open(path, "rb", buffering=0) as f:
@@ -67,18 +68,8 @@ def _hashlib(name: str):
     return digest
 
 
-def _xxh3_128(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-ALGORITHMS = {"xxh3_128": _xxh3_128, "crc32": _crc32, "sha256": _hashlib("sha256"),
-              "blake2b": _hashlib("blake2b")}
+ALGORITHMS = {"xxh3_128": _streamed(xxhash.xxh3_128), "crc32": _crc32,
+              "sha256": _streamed(hashlib.sha256), "blake2b": _streamed(hashlib.blake2b)}
 
 
 def checksum_file(path: Path, algo: str = CHECKSUM_ALGO) -> str:
