@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO, read_metrics, run_dtrain
 
 from trainer.compose import compose
-from trainer.config import batch_plan, validate
+from trainer.config import batch_plan
+from trainer.validation import validate
 
 
 def preset(name: str, *overrides: str):

@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
 from trainer.compose import compose, compose_run
-from trainer.config import RANGES, TOKENIZER_VOCAB_SIZE, check_ranges, to_dict
+from trainer.config import TOKENIZER_VOCAB_SIZE, to_dict
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
 from trainer.model import build_model
 from trainer.parallel import STRATEGIES, make_strategy
 from trainer.rundir import write_config_record
 from trainer.runtime import Runtime
+from trainer.validation import RANGES, check_ranges
 from trainer.writable import write_errors_as_user_errors
 
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.config import batch_plan, to_dict, validate
+from trainer.config import batch_plan, to_dict
 from trainer.data.prepare import prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.errors import DataError
 from trainer.metrics import require_tracker
 from trainer.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
+from trainer.validation import validate
 
 
 def check_run(cfg, run_dir: Path, world: int) -> RunDirState:

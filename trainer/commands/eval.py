@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainer.args import ArgParser
 from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
-from trainer.config import PARALLEL_MODES, LaunchConfig, check_ranges, from_dict, requested_world, to_dict
+from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
@@ -40,6 +40,7 @@ from trainer.model import build_model
 from trainer.parallel import make_strategy, strategy_class
 from trainer.rundir import read_config_record
 from trainer.runtime import init_runtime
+from trainer.validation import check_ranges
 
 RESULT_FILE = "eval_hellaswag.json"
 

@@ -17,11 +17,12 @@ from rich.table import Table
 
 from trainer.args import ArgParser
 from trainer.compose import compose
-from trainer.config import requested_world, validate
+from trainer.config import requested_world
 from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
+from trainer.validation import validate
 
 _SIZE_MISSING = object()  # --device-memory given without a size
 

@@ -6,8 +6,8 @@ from rich.console import Console
 
 from trainer.args import ArgParser
 from trainer.compose import compose
-from trainer.config import check_ranges
 from trainer.data.prepare import prepare
+from trainer.validation import check_ranges
 
 
 def cmd_prepare(argv: list[str]) -> None:

@@ -24,11 +24,12 @@ from omegaconf import open_dict, read_write
 from rich.console import Console
 
 from trainer.compose import CONFIG_NAME, compose, compose_run, is_informational, split_args, sweep_points
-from trainer.config import CONF_DIR, register_configs, requested_world, to_dict, validate
+from trainer.config import CONF_DIR, register_configs, requested_world, to_dict
 from trainer.env import is_secondary_rank, under_torchrun
 from trainer.preflight import check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
+from trainer.validation import validate
 from trainer.writable import write_errors_as_user_errors
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,

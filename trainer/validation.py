@@ -1,0 +1,164 @@
+"""The config's checks: the range of every numeric key, and the cross-field checks that types alone
+cannot express. Torch-free, like the schema (a user error arrives before torch would load)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import (
+    DTYPES,
+    MIXED_PRECISION,
+    ON_NONFINITE,
+    PARALLEL_MODES,
+    TOKENIZER_VOCAB_SIZE,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    batch_plan,
+    requested_world,
+)
+from trainer.env import launched_world
+from trainer.errors import ConfigError
+
+
+def _at_least(low):
+    return lambda v: v >= low, f"at least {low}"
+
+
+def _positive():
+    return lambda v: v > 0, "positive"
+
+
+def _fraction():
+    return lambda v: 0 <= v < 1, "in [0, 1)"
+
+
+# The range of every numeric key (a type alone lets through -1 or 1.5), with what the value means
+# where the range alone would not say it. A null (None) always passes: it means "derive it".
+RANGES = {
+    "model.n_layer": _at_least(1),
+    "model.n_head": _at_least(1),
+    "model.n_embd": _at_least(1),
+    "model.block_size": _at_least(1),
+    "model.pad_vocab_multiple": _at_least(1),
+    "model.dropout": _fraction(),
+    "data.val_fraction": _fraction(),
+    "data.shard_tokens": _at_least(1),
+    "data.max_tokens": _at_least(1),
+    "data.num_proc": _at_least(1),
+    "optim.lr": _positive(),
+    "optim.warmup_steps": _at_least(0),
+    "optim.weight_decay": _at_least(0),
+    "optim.eps": _positive(),
+    "optim.grad_clip": _at_least(0),  # 0 = no clipping
+    "parallel.bucket_cap_mb": _positive(),
+    "launch.nnodes": _at_least(1),
+    "launch.rdzv_timeout": _at_least(1),
+    "launch.max_restarts": _at_least(0),
+    "launch.monitor_interval": _positive(),
+    "launch.timeout_s": _at_least(1),
+    "launch.threads_per_worker": _at_least(1),
+    "train.seed": _at_least(0),  # numpy's generators take no negative seed
+    "train.max_steps": _at_least(1),
+    "train.micro_batch_size": _at_least(1),
+    "train.seq_len": _at_least(1),
+    "train.total_batch_size": _at_least(1),
+    "train.grad_accum_steps": _at_least(1),
+    "train.eval_interval": _at_least(0),  # 0 = only at the end
+    "train.eval_batches": _at_least(0),  # 0 = no validation loss
+    "train.log_interval": _at_least(1),
+    "train.sample_tokens": _at_least(0),  # 0 = no sample
+    "train.peak_flops": _positive(),
+    "train.max_nonfinite": _at_least(1),
+    "checkpoint.interval": _at_least(0),  # 0 = only at the end
+    "checkpoint.keep": _at_least(1),
+    "eval.interval": _at_least(0),  # 0 = never during training
+    "eval.limit": _at_least(1),
+    "eval.hellaswag.batch_examples": _at_least(1),
+    "world": _at_least(1),
+}
+
+
+# What a null means for the keys that take one (said beside the range a value missed).
+NULL_MEANS = {
+    "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
+    "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",
+    "eval.limit": "every example", "world": "1, or torchrun's WORLD_SIZE",
+}
+
+
+def _schema_default(key: str):
+    """The schema's default for a dotted key (None where the schema has none)."""
+    section, _, name = key.partition(".")
+    groups = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}
+    if section in groups:  # MISSING in Config (a group's YAML fills them): their own dataclass's
+        return OmegaConf.select(OmegaConf.structured(groups[section]), name, default=None)
+    return OmegaConf.select(OmegaConf.structured(Config), key, default=None)
+
+
+def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> None:
+    """Every numeric key within its range (only the keys under `sections`, when given). Raises
+    ConfigError naming the key, its range and a value that works."""
+    for key, (ok, requirement) in RANGES.items():
+        if sections is not None and key.split(".")[0] not in sections:
+            continue
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or ok(value):
+            continue
+        default = _schema_default(key)
+        fix = f"; e.g. {key}={default}" if default is not None and ok(default) else ""
+        nullable = f" (or null: {NULL_MEANS[key]})" if key in NULL_MEANS else ""
+        raise ConfigError(f"{key}={value} must be {requirement}{nullable}{fix}")
+    vocab = OmegaConf.select(cfg, "model.vocab_size", default=None)
+    if (sections is None or "model" in sections) and vocab is not None and vocab < TOKENIZER_VOCAB_SIZE:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the GPT-2 tokenizer's {TOKENIZER_VOCAB_SIZE} tokens "
+            f"that the data is encoded with (ids up to {TOKENIZER_VOCAB_SIZE - 1}); set "
+            f"model.vocab_size={TOKENIZER_VOCAB_SIZE} (model.pad_vocab_multiple=64 rounds the table up)"
+        )
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every key's range, then the cross-field checks that types alone cannot express. Raises
+    ConfigError."""
+    check_ranges(cfg)
+    m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
+    if p.mode not in PARALLEL_MODES:
+        raise ConfigError(f"parallel.mode={p.mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
+    if t.dtype == "float16":
+        raise ConfigError(
+            "train.dtype=float16 needs loss scaling, which dtrain does not do (small fp16 gradients "
+            "underflow to zero); use train.dtype=bfloat16 (fp32's range at half the memory) or float32"
+        )
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    if t.on_nonfinite not in ON_NONFINITE:
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if t.seq_len > m.block_size:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; "
+            f"lower train.seq_len or raise model.block_size"
+        )
+    if not 0 < o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in (0, optim.lr={o.lr}]")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if o.fused not in ("auto", "true", "false"):
+        raise ConfigError(f"optim.fused={o.fused!r} must be auto, true or false")
+    if p.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(f"parallel.mixed_precision={p.mixed_precision!r} must be one of {', '.join(MIXED_PRECISION)}")
+    world = 1 if cfg.world is None else cfg.world
+    if launched_world() is None and world % cfg.launch.nnodes:
+        raise ConfigError(
+            f"world={world} is not divisible by launch.nnodes={cfg.launch.nnodes}; "
+            "world is the total number of workers across all nodes"
+        )
+    if cfg.resume not in ("auto", "never") and not cfg.resume:
+        raise ConfigError("resume= must be auto, never or a checkpoint path")
+    if cfg.logger not in ("jsonl", "tensorboard"):
+        raise ConfigError(f"logger={cfg.logger!r} is unknown; choose jsonl or tensorboard")
+    batch_plan(cfg, requested_world(cfg))
