@@ -16,7 +16,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from trainer.env import launched_world
 from trainer.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# A checkout (or an editable install) reads the top-level conf/; a wheel carries it as trainer/conf.
+_PACKAGED_CONF = Path(__file__).resolve().parent / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parent.parent / "conf"
 # The modes are the options of the `parallel` config group (each names its Strategy's module in
 # trainer/parallel/); read from the folder so that checking a config never imports torch.
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
