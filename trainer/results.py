@@ -1,5 +1,6 @@
 """What runs and sweeps achieved: the figures a run's metrics.jsonl holds, the status files of a
-sweep's points, and the results table that sweeps and `dtrain report` print."""
+sweep's points, the results table that sweeps and `dtrain report` print, and the table of a run's
+lm-evaluation-harness scores (`dtrain eval RUN_DIR --tasks ...` writes them, `dtrain report` shows them)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from trainer.errors import UserError
 from trainer.metrics import METRICS_FILE, read_metrics
 
 STATUS_FILE = "status.json"
+HARNESS_FILE = "eval_harness.json"
 # Overrides that steer the sweep itself (or Hydra) and do not change what a point trains.
 NOT_IDENTITY = ("sweep.", "hydra.", "hydra/")
 
@@ -143,3 +146,51 @@ def table_console() -> Console:
     file or a pipe (rich's default of 80 folds the overrides column)."""
     console = Console()
     return console if console.is_terminal else Console(width=140)
+
+
+def harness_table(record: dict[str, Any], title: str) -> Table:
+    """One row per task and metric of an eval_harness.json record: the harness's `results` mapping
+    ({"task": {"acc,none": 0.31, "acc_stderr,none": 0.02, "alias": ...}}), its versions and n-samples."""
+    table = Table(title=title, caption=f"step {record.get('step')}: {record.get('checkpoint')}",
+                  caption_justify="left")
+    for name, justify in (("task", "left"), ("version", "right"), ("n", "right"), ("metric", "left"),
+                          ("filter", "left"), ("value", "right"), ("± stderr", "right")):
+        table.add_column(name, justify=justify)
+    versions = record.get("versions") or {}
+    samples = record.get("n-samples") or {}
+    for task, metrics in (record.get("results") or {}).items():
+        first = True
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filt = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            n = (samples.get(task) or {}).get("effective")
+            table.add_row(
+                metrics.get("alias", task) if first else "",
+                str(versions.get(task, "-")) if first else "",
+                str(n) if first and n is not None else "",
+                metric, filt, _number(value), _number(stderr),
+            )
+            first = False
+    return table
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value in (None, "N/A") else str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return format(value, ".4f") if abs(value) < 1e4 else format(value, ",.0f")  # perplexities get large
+
+
+def read_harness(run_dir: Path) -> dict[str, Any] | None:
+    """A run's eval_harness.json, or None when it has none."""
+    path = Path(run_dir) / HARNESS_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} ({type(err).__name__}); score the run again with "
+                        "dtrain eval RUN_DIR --tasks ...") from None

@@ -12,6 +12,14 @@ of GPT.state_dict()). With world > 1 the workers start through torchrun's engine
 under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval RUN_DIR`) every
 rank runs this command and they join one group. Rank 0 shows a progress bar (on a terminal;
 train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json.
+
+With --tasks, EleutherAI's lm-evaluation-harness scores the checkpoint instead, in this process
+(the optional extra dtrain[harness]; trainer/commands/eval_harness.py):
+
+    dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
+                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto]
+
+and writes <RUN_DIR>/eval_harness.json.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from trainer.args import ArgParser
+from trainer.args import ArgParser, non_negative_int, positive
 from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
+from trainer.commands.eval_harness import harness_eval
 from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
 from trainer.errors import ConfigError
@@ -43,12 +52,22 @@ from trainer.runtime import init_runtime
 from trainer.validation import check_ranges
 
 RESULT_FILE = "eval_hellaswag.json"
+HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters")
 
 
 def cmd_eval(argv: list[str]) -> dict:
     """Score the run's weights; a worker that crashes raises trainer.launch.WorkerFailed (its
     report, traceback included), a user error in a worker raises UserError."""
-    run_dir, cfg, weights = eval_setup(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    run_dir, overrides = _run_dir_and_overrides(parser, args)
+    if args.tasks is not None:
+        return harness_eval(args, run_dir, overrides)
+    given = [f"--{f.replace('_', '-')}" for f in HARNESS_FLAGS if getattr(args, f) is not None]
+    if given:
+        parser.error(f"{given[0]} goes with --tasks (lm-evaluation-harness); the built-in HellaSwag takes "
+                     "key=value overrides such as eval.limit=N or ckpt=PATH")
+    run_dir, cfg, weights = eval_setup(parser, run_dir, overrides)
     cfg_dict = to_dict(cfg)
     world = requested_world(cfg)
     if under_torchrun():
@@ -65,20 +84,27 @@ def _parser() -> ArgParser:
         prog="dtrain eval",
         description=__doc__,
         usage="%(prog)s RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
-              "[eval.hellaswag.path=FILE] [key=value ...]",
+              "[eval.hellaswag.path=FILE] [key=value ...] | RUN_DIR --tasks T1,T2 [--include-path DIR] [--limit N]",
     )
     # One positional list: the run dir is the argument without "=", wherever it stands.
     parser.add_argument("arguments", nargs="*", metavar="RUN_DIR | key=value",
                         help="the run whose checkpoint is scored; overrides: world=N, parallel=MODE, ckpt=PATH "
                              "or a dotted key of the run's config")
+    harness = parser.add_argument_group("lm-evaluation-harness (pip install 'dtrain[harness]')")
+    harness.add_argument("--tasks", metavar="T1,T2", help="score with the harness on these tasks, groups or tags")
+    harness.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
+    harness.add_argument("--limit", type=positive(float), metavar="N",
+                         help="at most N examples per task (below 1: that fraction of them)")
+    harness.add_argument("--num-fewshot", type=non_negative_int, metavar="K", help="few-shot examples per prompt")
+    harness.add_argument("--batch-size", type=positive(int), metavar="B", help="sequences per forward (default 8)")
+    harness.add_argument("--step", type=non_negative_int, metavar="N", help="this checkpoint step (default: newest)")
+    harness.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:N or auto (default)")
+    harness.add_argument("--bootstrap-iters", type=non_negative_int, metavar="N",
+                         help="bootstrap resamples for the stderr of non-mean metrics (default 100000; 0: none)")
     return parser
 
 
-def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
-    """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
-    weights to load (a checkpoint dir or a state_dict file)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _run_dir_and_overrides(parser: ArgParser, args) -> tuple[Path, list[str]]:
     positional = [a for a in args.arguments if "=" not in a]
     overrides = [a for a in args.arguments if "=" in a]
     if len(positional) != 1:
@@ -86,6 +112,12 @@ def eval_setup(argv: list[str]) -> tuple[Path, object, str]:
     run_dir = Path(positional[0]).expanduser().absolute()
     if not run_dir.is_dir():
         parser.error(f"run directory {run_dir} does not exist")
+    return run_dir, overrides
+
+
+def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[Path, object, str]:
+    """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
+    weights to load (a checkpoint dir or a state_dict file)."""
     record = read_config_record(run_dir)
     # The run's own world, mode and launch settings describe training, not this evaluation.
     record["world"] = None

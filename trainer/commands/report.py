@@ -9,6 +9,9 @@ them (read from each run's .hydra/overrides.yaml):
     tokens_per_s.png  training throughput against tokens seen
     hellaswag.png     HellaSwag acc_norm against tokens seen (only when a run evaluated it)
 
+A run scored with `dtrain eval RUN_DIR --tasks ...` also gets a table of its eval_harness.json
+(lm-evaluation-harness: task, metric, value, stderr).
+
 matplotlib is an optional extra: pip install 'dtrain[plot]'.
 """
 
@@ -25,8 +28,10 @@ from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.results import (
     STATUS_FILE,
     finite_or_none,
+    harness_table,
     labels,
     point_dirs,
+    read_harness,
     read_overrides,
     read_status,
     results_table,
@@ -216,6 +221,10 @@ def cmd_report(argv: list[str]) -> None:
     for r in runs:
         if r.record.get("status") not in ("ok", None) and r.record.get("error"):
             console.print(f"[red]{r.name} {r.record['status']}:[/] {r.record['error']}", highlight=False)
+    for r in runs:
+        harness = read_harness(r.path)
+        if harness is not None:
+            console.print(harness_table(harness, f"{r.name}: lm-evaluation-harness"))
 
     plotted = [r for r in runs if r.train or r.val]
     if not plotted:

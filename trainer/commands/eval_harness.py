@@ -1,0 +1,131 @@
+"""The `--tasks` half of `dtrain eval`: a checkpoint scored by EleutherAI's lm-evaluation-harness.
+
+    dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
+                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto]
+
+The weights come straight from the DCP checkpoint (verified, and refused when corrupt or non-finite,
+as everywhere) into dtrain's own GPT, which trainer/evals/harness.py presents to the harness as a
+model: no Hugging Face conversion, no model download. Task data is the harness's business (it
+downloads what a task names); `--include-path` adds a folder of task YAMLs. The harness's results go
+to <RUN_DIR>/eval_harness.json (`results`, plus step, checkpoint and timing); `dtrain report` shows them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint.layout import CHECKPOINT_DIR, step_dir_name
+from trainer.checkpoint.weights import eval_weights_path, load_weights, model_from_run, weights_step
+from trainer.config import from_dict
+from trainer.errors import ConfigError, UserError
+from trainer.io import write_atomic
+from trainer.model import build_model
+from trainer.results import HARNESS_FILE, harness_table, table_console
+from trainer.rundir import read_config_record
+from trainer.writable import check_writable_dir, write_errors_as_user_errors
+
+INSTALL = "pip install 'dtrain[harness]'"
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_BOOTSTRAP_ITERS = 100000  # the harness's own default
+
+
+def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
+    """Score the run's checkpoint on args.tasks; every check comes before the weights are read."""
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks names no task; e.g. --tasks hellaswag,arc_easy")
+    ckpt = None
+    for arg in overrides:
+        key, value = arg.split("=", 1)
+        if key != "ckpt":
+            raise ConfigError(f"{arg!r} does not apply to --tasks (the harness runs in this one process); "
+                              "it takes ckpt=PATH besides its flags")
+        ckpt = value
+    if ckpt is not None and args.step is not None:
+        raise ConfigError("give --step N or ckpt=PATH, not both")
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        if not limit.is_integer():
+            raise ConfigError(f"--limit {limit}: a whole number of examples, or a fraction of them below 1")
+        limit = int(limit)
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    bootstrap_iters = DEFAULT_BOOTSTRAP_ITERS if args.bootstrap_iters is None else args.bootstrap_iters
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"--tasks runs EleutherAI's lm-evaluation-harness, which is not installed: {INSTALL}")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise ConfigError(f"--include-path {args.include_path} is not a folder (of task YAML files)")
+    device = _device(args.device or "auto")
+    check_writable_dir(run_dir, f"the run directory {run_dir}", "make it writable")
+    if args.step is not None:
+        weights = run_dir / CHECKPOINT_DIR / step_dir_name(args.step)
+    else:
+        weights = Path(eval_weights_path(run_dir, ckpt))
+
+    # The harness and its task index, now that nothing else can fail first (a few seconds to import).
+    from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
+
+    manager = harness.task_manager(args.include_path)
+    harness.check_tasks(tasks, manager)
+
+    t0 = time.perf_counter()
+    if args.step is not None:
+        model, cfg = model_from_run(run_dir, args.step)
+    elif weights.is_dir():
+        model, cfg = model_from_run(weights)
+    else:  # a state_dict file: the run's recorded model
+        cfg = from_dict(read_config_record(run_dir))
+        model = build_model(cfg.model)
+        load_weights(model, str(weights))
+    load_s = time.perf_counter() - t0
+    lm = harness.DtrainLM(model, batch_size=batch_size, device=device)
+    results, wall = harness.evaluate(lm, tasks, manager, limit=limit, num_fewshot=args.num_fewshot,
+                                     bootstrap_iters=bootstrap_iters)
+    n_requests = sum(lm.requests.values())
+    record = {
+        "results": results["results"],
+        "groups": results.get("groups") or {},
+        "versions": results.get("versions") or {},
+        "n-samples": results.get("n-samples") or {},
+        "higher_is_better": results.get("higher_is_better") or {},
+        "tasks": tasks,
+        "run_dir": str(run_dir),
+        "checkpoint": str(weights),
+        "step": weights_step(str(weights)),
+        "model": cfg.model.name,
+        "limit": limit,
+        "num_fewshot": args.num_fewshot,
+        "batch_size": batch_size,
+        "device": str(device),
+        "include_path": str(Path(args.include_path).absolute()) if args.include_path else None,
+        "lm_eval_version": harness.HARNESS_VERSION,
+        "requests": dict(lm.requests),
+        "requests_per_s": round(n_requests / wall, 3) if wall > 0 else None,
+        "load_s": round(load_s, 3),
+        "wall_s": round(wall, 3),
+    }
+    path = run_dir / HARNESS_FILE
+    with write_errors_as_user_errors(run_dir, "make the run directory writable"):
+        write_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
+    console = table_console()
+    console.print(harness_table(record, f"lm-evaluation-harness: {', '.join(tasks)}"))
+    console.print(f"{n_requests:,} requests in {wall:.1f} s ({record['requests_per_s']}/s on {device}); "
+                  f"written to {path}", highlight=False, soft_wrap=True)
+    return record
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this machine has no CUDA device; use --device cpu")
+    return device
