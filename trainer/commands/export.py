@@ -1,10 +1,14 @@
 """`dtrain export RUN_DIR [--out DIR] [--step N] [--dtype D]`: a checkpoint as a Hugging Face GPT-2.
 
-Writes `model.safetensors` (Hugging Face GPT2LMHeadModel names: `transformer.h.0.attn.c_attn.weight`
-...) and `config.json` (model_type gpt2), loadable without dtrain:
+Writes a complete Hugging Face model folder, loadable without dtrain: `model.safetensors` (Hugging
+Face GPT2LMHeadModel names: `transformer.h.0.attn.c_attn.weight` ...), `config.json` (model_type
+gpt2), `generation_config.json` and the GPT-2 tokenizer (`vocab.json`, `merges.txt`,
+`tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks):
 
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel, pipeline
     model = GPT2LMHeadModel.from_pretrained("OUT_DIR")
+    tokenizer = AutoTokenizer.from_pretrained("OUT_DIR")
+    pipeline("text-generation", model="OUT_DIR")
 
 HF's Conv1D stores the c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear, so
 they are transposed here; padded vocabulary rows are dropped; the tied lm_head is not stored
@@ -23,6 +27,7 @@ import torch
 
 from trainer.args import ArgParser, non_negative_int
 from trainer.checkpoint.weights import model_from_run
+from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
 from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
 from trainer.io import write_atomic
@@ -89,7 +94,8 @@ def hf_config(model, dtype: str = "float32") -> dict:
 
 def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
            out_label: str | None = None) -> Path:
-    """Write out/model.safetensors and out/config.json from a run's checkpoint; returns out.
+    """Write out/model.safetensors, out/config.json and the tokenizer files from a run's checkpoint;
+    returns out.
     `out_label` names the output folder in errors (default: `--out OUT`)."""
     try:
         from safetensors import SafetensorError
@@ -103,6 +109,8 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     check_writable_dir(out, out_label or f"--out {out}", OUT_FIX)
     model, cfg = model_from_run(run_dir, step=step)
     tensors = hf_state_dict(model, DTYPES[dtype])
+    # the GPT-2 ranks are read before anything is written: without them, one line and no half folder
+    tokenizer_files = hf_tokenizer_files(model.config.block_size)
     tmp = out / "model.safetensors.tmp"
     # the disk filling up while the weights are written: one line, and no half-written files left
     with write_errors_as_user_errors(out, OUT_FIX):
@@ -115,6 +123,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
             tmp.replace(out / "model.safetensors")
             write_atomic(out / "config.json", json.dumps(hf_config(model, dtype), indent=2) + "\n",
                          mode=0o666 & ~umask)
+            write_hf_tokenizer(out, tokenizer_files, mode=0o666 & ~umask)
         finally:
             tmp.unlink(missing_ok=True)
     return out
@@ -146,4 +155,5 @@ def cmd_export(argv: list[str]) -> None:
     out = Path(args.out).expanduser() if args.out else run_dir / "export"
     label = f"--out {out}" if args.out else f"the default output folder {out} (RUN_DIR/export)"
     export(run_dir, out, args.step, args.dtype, out_label=label)
-    print(f"exported {run_dir} -> {out / 'model.safetensors'} and {out / 'config.json'}")
+    print(f"exported {run_dir} -> {out} (model.safetensors, config.json, generation_config.json and the "
+          "GPT-2 tokenizer: a Hugging Face model folder)")
