@@ -21,7 +21,7 @@ COMMANDS = {
     "train": "train a model (Hydra overrides; -m for a sweep, --cfg job to print)",
     "prepare": "tokenize a dataset into token shards: dtrain prepare data=NAME",
     "sample": "generate text from a trained run: dtrain sample RUN_DIR",
-    "eval": "HellaSwag accuracy of a run's checkpoint: dtrain eval RUN_DIR",
+    "eval": "HellaSwag accuracy of a run's checkpoint: dtrain eval RUN_DIR (--tasks T1,T2: lm-eval-harness)",
     "export": "write model.safetensors + config.json (HF GPT-2 names)",
     "report": "plots and a summary table of runs or a sweep dir",
     "plan": "estimate per-rank memory and the largest micro batch that fits",

@@ -118,7 +118,10 @@ class GPT(nn.Module):
         """Unique parameters (the tied embedding counted once), positions included."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None):
+        """(logits, loss). `logits_at` (B,) without targets: only the logits of that one position of
+        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
@@ -130,6 +133,8 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         x = self.transformer.ln_f(x)
+        if logits_at is not None and targets is None:
+            x = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
         logits = self.lm_head(x)
         if targets is None:
             return logits[..., : self.config.vocab_size], None

@@ -81,19 +81,20 @@ def model_from_run(run_dir: Path, step: int | None = None, device: str | torch.d
     `step=None` takes the newest complete checkpoint; `run_dir` may also be a checkpoint folder.
     """
     run_dir = Path(run_dir)
-    if step is None:
-        ckpt = resolve_checkpoint(run_dir)
-    else:
-        ckpt = run_dir / CHECKPOINT_DIR / step_dir_name(step)
-        if not is_complete(ckpt):
-            steps = [checkpoint_step(p) for p in list_checkpoints(run_dir / CHECKPOINT_DIR)]
-            raise CheckpointError(
-                f"{run_dir} has no complete checkpoint at step {step}; it has steps {steps or 'none'}"
-            )
+    ckpt = resolve_checkpoint(run_dir) if step is None else checkpoint_at_step(run_dir, step)
     cfg = from_dict(read_checkpoint_config(ckpt))
     model = build_model(cfg.model)
     load_model_weights(model, ckpt)
     return model.to(device).eval(), cfg
+
+
+def checkpoint_at_step(run_dir: Path, step: int) -> Path:
+    """The run's complete checkpoint of `step` (--step N), or one line naming the steps it has."""
+    ckpt = Path(run_dir) / CHECKPOINT_DIR / step_dir_name(step)
+    if not is_complete(ckpt):
+        steps = [checkpoint_step(p) for p in list_checkpoints(Path(run_dir) / CHECKPOINT_DIR)]
+        raise CheckpointError(f"{run_dir} has no complete checkpoint at step {step}; it has steps {steps or 'none'}")
+    return ckpt
 
 
 def eval_weights_path(run_dir: Path, ckpt: str | None) -> str:

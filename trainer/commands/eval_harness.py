@@ -20,8 +20,13 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.layout import CHECKPOINT_DIR, step_dir_name
-from trainer.checkpoint.weights import eval_weights_path, load_weights, model_from_run, weights_step
+from trainer.checkpoint.weights import (
+    checkpoint_at_step,
+    eval_weights_path,
+    load_weights,
+    model_from_run,
+    weights_step,
+)
 from trainer.config import from_dict
 from trainer.errors import ConfigError, UserError
 from trainer.io import write_atomic
@@ -63,7 +68,7 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     device = _device(args.device or "auto")
     check_writable_dir(run_dir, f"the run directory {run_dir}", "make it writable")
     if args.step is not None:
-        weights = run_dir / CHECKPOINT_DIR / step_dir_name(args.step)
+        weights = checkpoint_at_step(run_dir, args.step)
     else:
         weights = Path(eval_weights_path(run_dir, ckpt))
 
@@ -74,9 +79,7 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     harness.check_tasks(tasks, manager)
 
     t0 = time.perf_counter()
-    if args.step is not None:
-        model, cfg = model_from_run(run_dir, args.step)
-    elif weights.is_dir():
+    if weights.is_dir():
         model, cfg = model_from_run(weights)
     else:  # a state_dict file: the run's recorded model
         cfg = from_dict(read_config_record(run_dir))

@@ -30,7 +30,8 @@ HARNESS_VERSION = lm_eval.__version__
 
 
 class DtrainLM(TemplateLM):
-    """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored."""
+    """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored. The
+    harness's progress-bar options (disable_tqdm) arrive in **kwargs: no bars here."""
 
     backend = "causal"
 
@@ -53,8 +54,9 @@ class DtrainLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return "gpt2"
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # <|endoftext|> written in a prompt is the special token, as the GPT-2 tokenizer of transformers reads it.
+    def tok_encode(self, string: str, **kwargs) -> list[int]:
+        # <|endoftext|> written in a prompt is the special token, as the GPT-2 tokenizer of transformers
+        # reads it; GPT-2 adds no BOS, so add_special_tokens (in kwargs) changes nothing.
         return self.enc.encode(string, allowed_special="all")
 
     def tok_decode(self, tokens: list[int]) -> str:
@@ -65,7 +67,7 @@ class DtrainLM(TemplateLM):
         logits, _ = self.model(batch)  # the real vocabulary only: padded rows are cut off
         return F.log_softmax(logits.float(), dim=-1)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+    def _loglikelihood_tokens(self, requests, override_bs: int | None = None, **kwargs):
         """[(logprob, is_greedy)] of (strings, context ids, continuation ids) requests (HFLM's batching)."""
         self.requests["loglikelihood"] += len(requests)
 
@@ -98,7 +100,7 @@ class DtrainLM(TemplateLM):
                         self.cache_hook.add_partial("loglikelihood", strings, (logprob, is_greedy))
         return reorder.get_original(res)
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests, **kwargs) -> list[float]:
         """Log-likelihood of whole documents: each token predicted once, in max_length windows whose
         first one starts after <|endoftext|>, batched in request order as HFLM does."""
         self.requests["loglikelihood_rolling"] += len(requests)
@@ -120,7 +122,7 @@ class DtrainLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, out[-1])
         return out
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests, **kwargs) -> list[str]:
         """Greedy continuations, longest context first, batched per generation settings."""
         self.requests["generate_until"] += len(requests)
         reorder = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
@@ -148,32 +150,32 @@ class DtrainLM(TemplateLM):
 
     @torch.inference_mode()
     def _greedy(self, prompts: list[list[int]], max_gen_toks: int, until: list[str]) -> list[str]:
-        """Greedy text after each prompt; prompts of one length decode together (no padding, so no
-        attention mask is needed), each stopping at <|endoftext|> or once a stop string appears."""
-        out: dict[int, str] = {}
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(i)
-        for rows in by_length.values():
-            idx = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=self._device)
-            generated: list[list[int]] = [[] for _ in rows]
-            done = [False] * len(rows)
-            for _ in range(max_gen_toks):
-                next_ids = self._log_probs(idx)[:, -1].argmax(dim=-1)
-                for r, token in enumerate(next_ids.tolist()):
-                    if done[r]:
-                        continue
-                    if token == EOT:
-                        done[r] = True
-                        continue
-                    generated[r].append(token)
-                    done[r] = any(stop and stop in self.tok_decode(generated[r]) for stop in until)
-                if all(done):
-                    break
-                idx = torch.cat([idx, next_ids.unsqueeze(1)], dim=1)
-            for r, i in enumerate(rows):
-                out[i] = self.tok_decode(generated[r])
-        return [out[i] for i in range(len(prompts))]
+        """Greedy text after each prompt, all rows in one batch: right-padded, each row's next token
+        read at its own last position (causal attention keeps the padding after it out, so no mask
+        is needed) and written after it; a row stops at <|endoftext|> or once a stop string appears."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self._device)
+        rows = torch.arange(len(prompts), device=self._device)
+        buf = torch.zeros(len(prompts), int(lengths.max()) + max_gen_toks, dtype=torch.long, device=self._device)
+        for r, prompt in enumerate(prompts):
+            buf[r, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for _ in range(max_gen_toks):
+            logits, _ = self.model(buf[:, : int(lengths.max())], logits_at=lengths - 1)
+            next_ids = logits[:, 0].argmax(dim=-1)
+            buf[rows, lengths] = next_ids
+            lengths += 1
+            for r, token in enumerate(next_ids.tolist()):
+                if done[r]:
+                    continue
+                if token == EOT:
+                    done[r] = True
+                    continue
+                generated[r].append(token)
+                done[r] = any(stop and stop in self.tok_decode(generated[r]) for stop in until)
+            if all(done):
+                break
+        return [self.tok_decode(g) for g in generated]
 
 
 def task_manager(include_path: str | None) -> TaskManager:

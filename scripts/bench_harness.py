@@ -1,0 +1,184 @@
+"""lm-evaluation-harness throughput (requests/s): dtrain's adapter against the harness's `hf` model.
+
+    .venv/bin/python scripts/bench_harness.py [--models tiny cpu_small] [--batch-size 8] [--examples 48]
+                                              [--device cpu] [--threads N] [--repeats 3]
+
+For each model size, random-init weights (seed 0) go to dtrain's harness model
+(trainer/evals/harness.py: DtrainLM over our GPT) and, written out as `dtrain export` writes them
+(safetensors, config.json, the GPT-2 tokenizer files), to the harness's own HFLM (float32, the same
+batch size). Both score the same three local tasks (offline: jsonl files from tiny-shakespeare text,
+or generated text): multiple choice (4 loglikelihood requests an example), rolling loglikelihood
+(documents of ~1000 characters) and greedy generation (until a newline, at most 16 tokens). The
+clock covers only the model's calls (loglikelihood, loglikelihood_rolling, generate_until), after
+one warm-up pass of both, and the best of --repeats passes counts (the machine may be shared);
+the harness's own work around them (datasets, metrics) is the same for both. The table also says
+whether every metric agreed (within 1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")  # local task files and a local model folder: nothing to fetch
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import lm_eval  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from trainer.commands.export import hf_config, hf_state_dict  # noqa: E402
+from trainer.compose import compose  # noqa: E402
+from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer  # noqa: E402
+from trainer.evals.harness import DtrainLM, task_manager  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+TASKS = {"bench_mc": "loglikelihood", "bench_ppl": "loglikelihood_rolling", "bench_gen": "generate_until"}
+
+
+def paragraphs(n: int) -> list[str]:
+    if CORPUS.exists():
+        paras = [p.strip() for p in CORPUS.read_text().split("\n\n") if len(p.strip()) > 150]
+    else:
+        import random
+
+        rng = random.Random(0)
+        words = "the king hath spoken and my lord shall come to the court of rome where all cry".split()
+        paras = ["\n".join(" ".join(rng.choice(words) for _ in range(9)) for _ in range(5)) for _ in range(4 * n)]
+    return paras[: 4 * n]
+
+
+def write_tasks(root: Path, n: int) -> None:
+    paras = paragraphs(n)
+    mc = []
+    for i in range(n):
+        words = paras[i].split()
+        right = " ".join(words[10:18])
+        choices = [right] + [" ".join(paras[(i + k) % len(paras)].split()[10:18]) for k in (1, 2, 3)]
+        choices = choices[i % 4:] + choices[: i % 4]
+        mc.append({"question": " ".join(words[:10]), "choices": choices, "label": choices.index(right)})
+    docs = [{"text": "\n\n".join(paras[i: i + 4])[:1000]} for i in range(0, n // 2)]
+    gen = [{"question": p[:150], "answer": p[150:170]} for p in paras[n: n + n // 2]]
+    yaml = {
+        "bench_mc": ("mc", 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+                           'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
+        "bench_ppl": ("docs", 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                              "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"),
+        "bench_gen": ("gen", 'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+                             'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 16\n  do_sample: false\n'
+                             "metric_list:\n  - metric: exact_match\n"),
+    }
+    for name, rows in (("mc", mc), ("docs", docs), ("gen", gen)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for task, (data, body) in yaml.items():
+        (root / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                           f"    test: {root / data}.jsonl\ntest_split: test\n{body}")
+
+
+def export_folder(model, out: Path) -> None:
+    """What `dtrain export` writes, from a model in memory."""
+    out.mkdir(parents=True)
+    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model), indent=2))
+    write_hf_tokenizer(out, hf_tokenizer_files(model.config.block_size))
+
+
+class Clock:
+    """Times the model calls the harness makes and counts their requests."""
+
+    def __init__(self, lm):
+        self.seconds = {kind: 0.0 for kind in TASKS.values()}
+        self.requests = {kind: 0 for kind in TASKS.values()}
+        for kind in self.seconds:
+            setattr(lm, kind, self._timed(kind, getattr(lm, kind)))
+
+    def _timed(self, kind, fn):
+        def call(requests, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(requests, *args, **kwargs)
+            self.seconds[kind] += time.perf_counter() - t0
+            self.requests[kind] += len(requests)
+            return out
+
+        return call
+
+
+def score(lm, manager, repeats: int) -> tuple[dict, dict[str, float], dict[str, int]]:
+    """(results, the best requests/s of `repeats` passes per request kind, requests per pass)."""
+    clock = Clock(lm)
+    best = {kind: 0.0 for kind in TASKS.values()}
+    for _ in range(repeats):
+        clock.seconds = {kind: 0.0 for kind in TASKS.values()}
+        clock.requests = {kind: 0 for kind in TASKS.values()}
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), task_manager=manager, bootstrap_iters=0,
+                                          log_samples=False)
+        for kind in best:
+            best[kind] = max(best[kind], clock.requests[kind] / clock.seconds[kind])
+    return results["results"], best, clock.requests
+
+
+def agree(a: dict, b: dict) -> bool:
+    for task, metrics in a.items():
+        for key, value in metrics.items():
+            other = b[task][key]
+            if isinstance(value, float) and isinstance(other, float):
+                if not math.isclose(value, other, rel_tol=1e-6):
+                    return False
+            elif value != other:
+                return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny", "cpu_small"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--examples", type=int, default=48, help="multiple-choice examples")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per model; the best one counts")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    table = Table(title=f"lm-evaluation-harness: requests/s, batch {args.batch_size}, {args.device}, "
+                        f"{args.threads} thread(s), lm-eval {lm_eval.__version__}")
+    for col in ("model", "requests", "n", "dtrain req/s", "hf req/s", "dtrain / hf", "metrics equal"):
+        table.add_column(col, justify="left" if col in ("model", "requests") else "right")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "tasks").mkdir()
+        write_tasks(tmp / "tasks", args.examples)
+        manager = task_manager(str(tmp / "tasks"))
+        for name in args.models:
+            torch.manual_seed(0)
+            model = build_model(compose([f"model={name}"]).model).eval()
+            export_folder(model, tmp / name)
+            ours = DtrainLM(model, batch_size=args.batch_size, device=args.device)
+            hf = HFLM(pretrained=str(tmp / name), device=args.device, dtype="float32", batch_size=args.batch_size)
+            score(ours, manager, 1), score(hf, manager, 1)  # warm-up: dataset cache, first-call allocations
+            r_ours, rate_ours, n = score(ours, manager, args.repeats)
+            r_hf, rate_hf, _ = score(hf, manager, args.repeats)
+            equal = "yes" if agree(r_ours, r_hf) else "NO"
+            for kind in TASKS.values():
+                table.add_row(name, kind, str(n[kind]), f"{rate_ours[kind]:,.1f}", f"{rate_hf[kind]:,.1f}",
+                              f"{rate_ours[kind] / rate_hf[kind]:.2f}x", equal)
+    Console(width=max(Console().width, 110)).print(table)
+
+
+if __name__ == "__main__":
+    main()
