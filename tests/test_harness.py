@@ -212,6 +212,18 @@ def test_missing_extra_is_one_line_naming_the_install(run_dir, tmp_path):
     assert before == after
 
 
+def test_task_data_that_cannot_be_fetched_is_one_line(run_dir, tasks_dir, tmp_path):
+    """A task whose data lives on the Hub, offline: one `error:` line, not datasets' traceback."""
+    (tmp_path / "hub.yaml").write_text("task: dtrain_hub\ndataset_path: dtrain-tests/no-such-dataset\n"
+                                       "test_split: test\noutput_type: loglikelihood_rolling\n"
+                                       'doc_to_text: ""\ndoc_to_target: "{{text}}"\n')
+    proc = run_dtrain(["eval", str(run_dir), "--tasks", "dtrain_hub", "--include-path", str(tmp_path)],
+                      env=offline_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "could not fetch a task's data" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:")
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--limit", "5"], "--limit goes with --tasks"),
     (["--tasks", ","], "--tasks names no task"),

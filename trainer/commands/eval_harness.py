@@ -72,7 +72,8 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     else:
         weights = Path(eval_weights_path(run_dir, ckpt))
 
-    # The harness and its task index, now that nothing else can fail first (a few seconds to import).
+    # The harness (seconds to import) and its task index only now, after every check that needs neither;
+    # the task names are checked before the weights are read.
     from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
 
     manager = harness.task_manager(args.include_path)

@@ -24,7 +24,8 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.tasks import TaskManager
 
 from trainer.data.tokenizer import EOT, gpt2_encoding
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
+from trainer.io import first_line
 
 HARNESS_VERSION = lm_eval.__version__
 
@@ -194,6 +195,11 @@ def evaluate(lm: DtrainLM, tasks: list[str], manager: TaskManager, limit: float 
              num_fewshot: int | None = None, bootstrap_iters: int = 100000) -> tuple[dict, float]:
     """(the harness's result dict, seconds spent) for `tasks` scored with `lm`."""
     t0 = time.perf_counter()
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False)
+    except ConnectionError as err:  # `datasets` could not fetch a task's data (no network, HF_HUB_OFFLINE=1)
+        raise UserError(f"the harness could not fetch a task's data: {first_line(err)}; it downloads from the "
+                        "Hugging Face Hub into ~/.cache/huggingface, so allow network access once "
+                        "(or use local task YAMLs with --include-path)") from None
     return results, time.perf_counter() - t0
