@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -28,6 +28,9 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
 TOKENIZER_VOCAB_SIZE = 50257
 MIXED_PRECISION = ("auto", "bf16", "fp32")
+# `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
+# metrics.jsonl only, which is always written.
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 
 @dataclass
@@ -171,7 +174,16 @@ class Config:
     # Total worker processes. null = 1, or WORLD_SIZE when started by torchrun.
     world: Optional[int] = None
     resume: str = "auto"  # auto | never | <path to a checkpoint>
-    logger: str = "jsonl"  # jsonl | tensorboard (TensorBoard event files beside metrics.jsonl)
+    # Experiment trackers beside metrics.jsonl: a list of LOGGERS (logger=[tensorboard,wandb]) or one
+    # name (logger=tensorboard). Typed Any because OmegaConf has no str-or-list type: validation.py
+    # checks it, and tracker_names() reads it.
+    logger: Any = field(default_factory=list)
+
+
+def tracker_names(logger) -> list[str]:
+    """The trackers a (validated) `logger=` value asks for, in order, once each; jsonl is none."""
+    names = [logger] if isinstance(logger, str) else list(logger or [])
+    return [name for name in dict.fromkeys(names) if name != "jsonl"]
 
 
 def register_configs() -> None:

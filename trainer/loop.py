@@ -182,7 +182,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
         checkpointer.restore(run)
     state = run.state
     start_step = state.step
-    sinks = open_trackers(cfg.logger, run_dir, start_step) if rt.is_main else []
+    sinks = open_trackers(cfg, run_dir, start_step) if rt.is_main else []
     metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, sinks=sinks)
     view = ProgressView(rt.is_main, t.max_steps, start_step, bar=t.progress)
     if rt.is_main:

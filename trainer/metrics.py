@@ -19,14 +19,17 @@ from trainer.io import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# The package each tracker writes with (the optional extra dtrain[<name>] installs it).
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
-def require_tracker(logger: str) -> None:
-    """The package a logger writes with is installed (checked before a run starts)."""
-    if logger == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+def require_tracker(name: str) -> None:
+    """The package the tracker `name` writes with is installed (checked before a run starts)."""
+    module = TRACKER_MODULES[name]
+    if importlib.util.find_spec(module) is None:
         raise ConfigError(
-            "logger=tensorboard needs the tensorboard package; run pip install 'dtrain[tensorboard]' "
-            "or use logger=jsonl"
+            f"logger={name} needs the {module} package; run pip install 'dtrain[{name}]' "
+            f"or drop {name} from logger="
         )
 
 

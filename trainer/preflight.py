@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.config import batch_plan, to_dict
+from trainer.config import batch_plan, to_dict, tracker_names
 from trainer.data.prepare import prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import gpt2_encoding
@@ -18,7 +18,7 @@ from trainer.validation import validate
 
 
 def check_run(cfg, run_dir: Path, world: int) -> RunDirState:
-    """Validate the config, the run directory, the data, the tokenizer and the logger's package;
+    """Validate the config, the run directory, the data, the tokenizer and the trackers' packages;
     returns what the run directory holds for this run (new, to continue, or finished)."""
     validate(cfg)
     state = check_run_dir(run_dir, cfg.resume, to_dict(cfg))
@@ -36,7 +36,8 @@ def check_run(cfg, run_dir: Path, world: int) -> RunDirState:
         open_split(cfg.data, "val")
     if cfg.train.sample_tokens > 0:
         gpt2_encoding()
-    require_tracker(cfg.logger)
+    for name in tracker_names(cfg.logger):
+        require_tracker(name)
     return state
 
 

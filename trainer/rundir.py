@@ -28,9 +28,10 @@ from trainer.writable import check_writable_dir
 
 CONFIG_RECORD = "resolved_config.json"
 # Settings that say how a run is launched, not what it trains: a continuation may change them
-# (resuming at another world size or in another mode reshards the checkpoint).
+# (resuming at another world size or in another mode reshards the checkpoint; `logger` only says
+# which trackers see the metrics).
 HOW_LAUNCHED = ("launch.", "world", "parallel.", "resume", "train.progress", "train.device",
-                "checkpoint.async_save", "sweep.")
+                "checkpoint.async_save", "sweep.", "logger")
 
 
 class RunDirState(enum.Enum):

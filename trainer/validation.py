@@ -3,10 +3,11 @@ cannot express. Torch-free, like the schema (a user error arrives before torch w
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import (
     DTYPES,
+    LOGGERS,
     MIXED_PRECISION,
     ON_NONFINITE,
     PARALLEL_MODES,
@@ -159,6 +160,18 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.resume not in ("auto", "never") and not cfg.resume:
         raise ConfigError("resume= must be auto, never or a checkpoint path")
-    if cfg.logger not in ("jsonl", "tensorboard"):
-        raise ConfigError(f"logger={cfg.logger!r} is unknown; choose jsonl or tensorboard")
+    check_logger(cfg.logger)
     batch_plan(cfg, requested_world(cfg))
+
+
+def check_logger(logger) -> None:
+    """`logger=` is one name of LOGGERS or a list of them (null, like [], is metrics.jsonl alone)."""
+    listed = isinstance(logger, ListConfig)
+    names = list(logger) if listed else [] if logger is None else [logger]
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown:
+        shown = f"[{','.join(str(n) for n in logger)}]" if listed else logger
+        raise ConfigError(
+            f"logger={shown}: {unknown[0]!r} is unknown; choose from {', '.join(LOGGERS)}, "
+            "one name or a list (logger=[tensorboard,wandb])"
+        )
