@@ -15,11 +15,12 @@ import pytest
 import torch
 from conftest import corpus_text
 
+from trainer.checkpoint.hf import CONV1D_WEIGHTS
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
-from trainer.commands.export import CONV1D_WEIGHTS, cmd_export
+from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
 from trainer.compose import compose
 from trainer.data import tokenizer

@@ -31,6 +31,7 @@ MIXED_PRECISION = ("auto", "bf16", "fp32")
 # `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
 # metrics.jsonl only, which is always written.
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+INIT_FROM_REQUIRED = "REQUIRED"
 
 
 @dataclass
@@ -46,6 +47,11 @@ class ModelConfig:
     pad_vocab_multiple: int = 1
     dropout: float = 0.0
     bias: bool = True
+    # Start a new run (step 0, fresh optimizer and data) from these weights: a Hugging Face GPT-2
+    # folder, a dtrain run directory (its newest checkpoint) or a step_* folder. The group's shape
+    # must be the source's. Not resume: a run dir with its own checkpoint continues from that.
+    # A recipe that needs one sets INIT_FROM_REQUIRED (OmegaConf's ??? cannot replace a default).
+    init_from: Optional[str] = None
 
 
 @dataclass

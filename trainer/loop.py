@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.init_from import start_from_weights
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split
@@ -180,6 +181,8 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     t = cfg.train
     if checkpointer is not None:
         checkpointer.restore(run)
+    if cfg.model.init_from:
+        start_from_weights(run, cfg.model.init_from, checkpointer and checkpointer.resumed_from)
     state = run.state
     start_step = state.step
     sinks = open_trackers(cfg, run_dir, start_step) if rt.is_main else []

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from trainer.checkpoint.init_source import check_init_source
+from trainer.checkpoint.layout import has_checkpoint
 from trainer.config import batch_plan, to_dict, tracker_names
 from trainer.data.prepare import prepare
 from trainer.data.shards import open_split
@@ -22,6 +24,10 @@ def check_run(cfg, run_dir: Path, world: int) -> RunDirState:
     returns what the run directory holds for this run (new, to continue, or finished)."""
     validate(cfg)
     state = check_run_dir(run_dir, cfg.resume, to_dict(cfg))
+    # The source matters only to a run that starts afresh: a continuation resumes its own checkpoint.
+    resumes = cfg.resume not in ("auto", "never") or has_checkpoint(run_dir)
+    if cfg.model.init_from and not resumes:
+        check_init_source(cfg.model.init_from, cfg.model)
     if cfg.data.auto_prepare:
         prepare(cfg.data)  # a quick no-op once prepared with the same settings
     plan = batch_plan(cfg, world)

@@ -7,6 +7,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import (
     DTYPES,
+    INIT_FROM_REQUIRED,
     LOGGERS,
     MIXED_PRECISION,
     ON_NONFINITE,
@@ -139,11 +140,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
-    if t.seq_len > m.block_size:
+    if m.init_from == INIT_FROM_REQUIRED:
         raise ConfigError(
-            f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; "
-            f"lower train.seq_len or raise model.block_size"
+            "this recipe fine-tunes pretrained weights: pass model.init_from=PATH (a Hugging Face GPT-2 folder, "
+            "e.g. from `huggingface-cli download gpt2 --local-dir ./gpt2`, a dtrain run directory or a step_* folder)"
         )
+    if t.seq_len > m.block_size:
+        # With init_from the block size is the source's position table, which cannot grow.
+        fix = (f"the positions of model.init_from={m.init_from} end there, so lower train.seq_len" if m.init_from
+               else "lower train.seq_len or raise model.block_size")
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; {fix}")
     if not 0 < o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in (0, optim.lr={o.lr}]")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):

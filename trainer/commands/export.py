@@ -10,8 +10,8 @@ gpt2), `generation_config.json` and the GPT-2 tokenizer (`vocab.json`, `merges.t
     tokenizer = AutoTokenizer.from_pretrained("OUT_DIR")
     pipeline("text-generation", model="OUT_DIR")
 
-HF's Conv1D stores the c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear, so
-they are transposed here; padded vocabulary rows are dropped; the tied lm_head is not stored
+Names and layouts go through trainer/checkpoint/hf.py, the mapping `model.init_from` reads with:
+HF's Conv1D weights transposed, padded vocabulary rows dropped, the tied lm_head not stored
 (from_pretrained ties it to transformer.wte, as save_pretrained does). Needs the optional
 `safetensors` package (`pip install 'dtrain[export]'`).
 """
@@ -26,70 +26,14 @@ from pathlib import Path
 import torch
 
 from trainer.args import ArgParser, non_negative_int
+from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.checkpoint.weights import model_from_run
 from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
-from trainer.data.tokenizer import EOT
-from trainer.errors import UserError
 from trainer.io import write_atomic
 from trainer.writable import check_writable_dir, write_errors_as_user_errors
 
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 OUT_FIX = "choose another --out DIR"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Our GPT's weights under Hugging Face GPT-2's names and layouts (contiguous, unshared)."""
-    c = model.config
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied to transformer.wte.weight
-        if name == "transformer.wte.weight":
-            tensor = tensor[: c.vocab_size]
-        if name.endswith(CONV1D_WEIGHTS):
-            tensor = tensor.t()
-        out[name] = tensor.detach().to("cpu", dtype).contiguous().clone()
-    if not c.bias:
-        # HF GPT-2 always has biases: zeros are the same function.
-        for i in range(c.n_layer):
-            p = f"transformer.h.{i}."
-            for ln in ("ln_1", "ln_2"):
-                out[p + ln + ".bias"] = torch.zeros(c.n_embd, dtype=dtype)
-            out[p + "attn.c_attn.bias"] = torch.zeros(3 * c.n_embd, dtype=dtype)
-            out[p + "attn.c_proj.bias"] = torch.zeros(c.n_embd, dtype=dtype)
-            out[p + "mlp.c_fc.bias"] = torch.zeros(4 * c.n_embd, dtype=dtype)
-            out[p + "mlp.c_proj.bias"] = torch.zeros(c.n_embd, dtype=dtype)
-        out["transformer.ln_f.bias"] = torch.zeros(c.n_embd, dtype=dtype)
-    return out
-
-
-def hf_config(model, dtype: str = "float32") -> dict:
-    """config.json of the equivalent transformers GPT2LMHeadModel."""
-    c = model.config
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": c.vocab_size,
-        "n_positions": c.block_size,
-        "n_ctx": c.block_size,
-        "n_embd": c.n_embd,
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
-        "n_inner": None,  # 4 x n_embd
-        "activation_function": "gelu_new",  # GELU, tanh approximation
-        "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": c.dropout,
-        "embd_pdrop": c.dropout,
-        "attn_pdrop": c.dropout,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "tie_word_embeddings": True,
-        "bos_token_id": EOT,
-        "eos_token_id": EOT,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
 
 
 def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
@@ -97,18 +41,11 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     """Write out/model.safetensors, out/config.json and the tokenizer files from a run's checkpoint;
     returns out.
     `out_label` names the output folder in errors (default: `--out OUT`)."""
-    try:
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file  # the optional extra dtrain[export]: checked when used
-    except ImportError:
-        raise UserError(
-            "dtrain export needs the safetensors package: pip install 'dtrain[export]' "
-            "(or pip install safetensors)"
-        ) from None
+    safetensors = safetensors_lib("dtrain export")
     # a file at --out, a read-only folder or a full disk: one line before the weights are read
     check_writable_dir(out, out_label or f"--out {out}", OUT_FIX)
     model, cfg = model_from_run(run_dir, step=step)
-    tensors = hf_state_dict(model, DTYPES[dtype])
+    tensors = to_hf_state_dict(model, DTYPES[dtype])
     # the GPT-2 ranks are read before anything is written: without them, one line and no half folder
     tokenizer_files = hf_tokenizer_files(model.config.block_size)
     tmp = out / "model.safetensors.tmp"
@@ -116,11 +53,11 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     with write_errors_as_user_errors(out, OUT_FIX):
         try:
             out.mkdir(parents=True, exist_ok=True)
-            _save_safetensors(save_file, SafetensorError, tensors, tmp)
+            _save_safetensors(safetensors.torch.save_file, safetensors.SafetensorError, tensors, tmp)
             umask = os.umask(0)
             os.umask(umask)
             tmp.chmod(0o666 & ~umask)
-            tmp.replace(out / "model.safetensors")
+            tmp.replace(out / WEIGHTS_FILE)
             write_atomic(out / "config.json", json.dumps(hf_config(model, dtype), indent=2) + "\n",
                          mode=0o666 & ~umask)
             write_hf_tokenizer(out, tokenizer_files, mode=0o666 & ~umask)
