@@ -44,7 +44,8 @@ def assert_nothing_written(run_dir: Path) -> None:
     "overrides,needles",
     [
         # an optional config group used to ignore an unknown option (the defaults trained, exit 0)
-        (["experiment=nonexistent"], ["experiment/nonexistent", "available: debug, gpt2_124m_fineweb"]),
+        (["experiment=nonexistent"],
+         ["experiment/nonexistent", "available: debug, finetune_shakespeare, gpt2_124m_fineweb"]),
         (["hparams_search=typo"], ["hparams_search/typo", "available: optuna_lr"]),
         (["optim.eps=-1"], ["optim.eps=-1.0 must be positive", "optim.eps=1e-08"]),
         (["model.dropout=1.5"], ["model.dropout=1.5 must be in [0, 1)", "model.dropout=0.0"]),
