@@ -215,7 +215,9 @@ def test_resume_wins_and_a_changed_source_is_another_run(hf_folder, data_dir, tm
     args = tiny_args(data_dir, run_dir, "train.max_steps=3", "checkpoint.interval=1", f"model.init_from={hf_folder}")
     crashed = run_dtrain(args, env={**dtrain_env(), "DTRAIN_INJECT_NONFINITE": "2"})
     assert crashed.returncode == 1 and latest_checkpoint(run_dir).name == "step_000001"
-    resumed = run_dtrain(args)
+    # the same command from the source's parent folder, naming it relatively: the same run
+    relative = [a for a in args if not a.startswith("model.init_from")] + [f"model.init_from={hf_folder.name}"]
+    resumed = run_dtrain(relative, cwd=hf_folder.parent)
     assert resumed.returncode == 0, resumed.stderr
     assert f"model.init_from={hf_folder} ignored: this run continues from its own checkpoint" in resumed.stderr
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2, 3]

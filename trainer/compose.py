@@ -4,6 +4,8 @@ reported before torch would have finished importing."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -125,7 +127,15 @@ def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
     except Exception as err:
         raise _user_error(err, overrides) from None
     cfg.hydra.mode = RunMode.RUN
+    anchor_paths(cfg)
     return hydra, cfg
+
+
+def anchor_paths(cfg: DictConfig) -> None:
+    """model.init_from made absolute where the command was typed: the run records it so, the same
+    command from another folder is the same run, and workers that start elsewhere read the same source."""
+    if cfg.model.init_from:
+        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:

@@ -23,7 +23,7 @@ from hydra.types import HydraContext, RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
-from trainer.compose import CONFIG_NAME, compose, compose_run, is_informational, split_args, sweep_points
+from trainer.compose import CONFIG_NAME, anchor_paths, compose, compose_run, is_informational, split_args, sweep_points
 from trainer.config import CONF_DIR, register_configs, requested_world, to_dict
 from trainer.env import is_secondary_rank, under_torchrun
 from trainer.preflight import check_run, preflight, record_config
@@ -137,6 +137,7 @@ def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    anchor_paths(cfg)  # a sweep point is composed by Hydra's launcher, not by compose_run
     if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
         return run_point(cfg, hydra_cfg, lambda: run_training(cfg, run_dir, checked=False))
     return run_training(cfg, run_dir, checked=True)["best_val_loss"]
