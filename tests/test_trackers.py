@@ -87,7 +87,7 @@ def wandb_run(run_dir: Path) -> dict:
                     history.setdefault(key, []).append((row["_step"], value))
             elif kind == "summary":
                 summary.update({_key(i): json.loads(i.value_json) for i in record.summary.update})
-        runs.append({"id": run_id, "history": history, "config": config, "summary": summary})
+        runs.append({"id": run_id, "folder": folder.name, "history": history, "config": config, "summary": summary})
     return runs
 
 
@@ -177,7 +177,11 @@ def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(d
     assert losses == jsonl_series(run)["loss"]
 
     runs = wandb_run(run)
-    assert [r["id"] for r in runs] == [first["wandb"]["id"]] * 2  # one W&B run, resumed in a second folder
+    # one W&B run, resumed in a second folder (W&B names a folder after its run id); the killed run's
+    # own run record may not have reached its log before the kill
+    run_id = first["wandb"]["id"]
+    assert [r["folder"].rsplit("-", 1)[1] for r in runs] == [run_id] * 2
+    assert runs[0]["id"] in (run_id, None) and runs[1]["id"] == run_id
     resumed = [s for s, _ in runs[1]["history"]["loss"]]
     assert resumed == list(range(killed_steps[-1] + 1, 31))  # only what the killed run had not sent
     sent_before = {s for s, _ in runs[0]["history"].get("loss", [])}
