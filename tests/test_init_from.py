@@ -204,8 +204,10 @@ def test_source_checks(hf_folder, tmp_path):
     longer = compose(["model=tiny", f"model.init_from={hf_folder}", "train.seq_len=256"])
     with pytest.raises(ConfigError, match="train.seq_len=256 is longer than model.block_size=128; the positions"):
         validate(longer)
-    with pytest.raises(ConfigError, match="pass model.init_from=PATH"):
-        validate(compose(["experiment=finetune_shakespeare"]))
+    # the recipe without a source, through the command: one line, nothing written
+    recipe = run_dtrain(["train", "experiment=finetune_shakespeare", f"hydra.run.dir={tmp_path / 'ft'}"])
+    assert recipe.returncode == 2 and recipe.stderr.strip().count("\n") == 0, recipe.stderr
+    assert "pass model.init_from=PATH" in recipe.stderr and not (tmp_path / "ft").exists()
 
 
 def test_resume_wins_and_a_changed_source_is_another_run(hf_folder, data_dir, tmp_path):

@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import CONF_DIR, register_configs
+from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, register_configs
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
@@ -134,7 +134,8 @@ def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
 def anchor_paths(cfg: DictConfig) -> None:
     """model.init_from made absolute where the command was typed: the run records it so, the same
     command from another folder is the same run, and workers that start elsewhere read the same source."""
-    if cfg.model.init_from:
+    # a recipe's REQUIRED sentinel is left as it is, for validation's error line
+    if cfg.model.init_from and cfg.model.init_from != INIT_FROM_REQUIRED:
         cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
 
 
