@@ -10,6 +10,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = False, mode: int | None = None) -> None:
@@ -77,3 +78,17 @@ def first_line(err: BaseException) -> str:
     """`ErrorType: the first line of its message`, for errors that wrap another one."""
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def dotted_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys ({"model": {"n_layer": 2}} -> {"model.n_layer": 2}):
+    the keys DCP stores a nested state under, and a config's keys as the run record and MLflow's
+    parameters name them."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(dotted_keys(value, name + "."))
+        else:
+            out[name] = value
+    return out

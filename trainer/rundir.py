@@ -22,7 +22,7 @@ from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
 from trainer.env import restart_count
 from trainer.errors import UserError
-from trainer.io import one_line, write_atomic
+from trainer.io import dotted_keys, one_line, write_atomic
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.writable import check_writable_dir
 
@@ -80,7 +80,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
 
 
 def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
-    was, now = _flatten(recorded), _flatten(config)
+    was, now = dotted_keys(recorded), dotted_keys(config)
     steps_key = "train.max_steps"
     if was.get(steps_key) != now.get(steps_key):
         raise UserError(
@@ -118,17 +118,6 @@ def finished_message(run_dir: Path) -> str:
             f"name its checkpoint: train.max_steps=N resume={run_dir}")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -156,7 +145,7 @@ def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
     write_atomic(path, text, mode=_new_file_mode())
     if previous is None:
         return None
-    was, now = _flatten(previous), _flatten(cfg_dict)
+    was, now = dotted_keys(previous), dotted_keys(cfg_dict)
     changed = [f"{k} {_short(was.get(k))} -> {_short(now.get(k))}" for k in sorted(set(was) | set(now))
                if was.get(k) != now.get(k)]
     return f"continuing the run in {run_dir}, launched differently: {', '.join(changed)} ({CONFIG_RECORD} updated)"

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from trainer.config import to_dict, tracker_names
 from trainer.errors import UserError
-from trainer.io import one_line, write_atomic
+from trainer.io import dotted_keys, one_line, write_atomic
 from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR, read_metrics, require_tracker
 
 TRACKERS_FILE = "trackers.json"
@@ -42,17 +42,6 @@ def summary_of(record: dict[str, Any]) -> dict[str, float]:
     """The end-of-run summary record's figures (metrics.jsonl: {"summary": {...}}), numbers only."""
     summary = record.get("summary")
     return scalars(summary) if isinstance(summary, dict) else {}
-
-
-def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """The resolved config as dotted keys (model.n_layer, ...), for trackers with flat parameters."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class TensorBoardSink:
@@ -165,7 +154,7 @@ class MlflowSink:
         (resolved_config.json holds the current values)."""
         limit = self.mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
         params = [self.mlflow.entities.Param(key, str(value)[:limit])
-                  for key, value in flat_config(config).items() if key not in logged]
+                  for key, value in dotted_keys(config).items() if key not in logged]
         batch = self.mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
         for start in range(0, len(params), batch):
             self.client.log_batch(self.run_id, params=params[start:start + batch])
@@ -240,13 +229,15 @@ def open_trackers(cfg, run_dir: Path, resume_step: int) -> list[Sink]:
     runs = read_tracker_runs(run_dir)
     config = to_dict(cfg)
     sinks: list[Sink] = []
+    # what an interrupted run sent past the resumed step, read once for every tracker it had open
+    sent_before = already_sent(run_dir, resume_step) if runs else {}
     try:
         for name in tracker_names(cfg.logger):
             if name == "tensorboard":
                 sinks.append(TensorBoardSink(run_dir, resume_step))
                 continue
             sink = REMOTE_SINKS[name](run_dir, config, runs.get(name))
-            sent = already_sent(run_dir, resume_step) if name in runs else {}
+            sent = {step: set(keys) for step, keys in sent_before.items()} if name in runs else {}
             runs[name] = sink.record
             write_atomic(run_dir / TRACKERS_FILE, json.dumps(runs, indent=2) + "\n")
             sinks.append(SentOnce(sink, sent))

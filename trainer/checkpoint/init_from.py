@@ -22,9 +22,9 @@ from trainer.checkpoint.hf import EMBEDDING, WEIGHTS_FILE, hf_prefix, pad_rows, 
 from trainer.checkpoint.init_source import InitSource, find_init_source
 from trainer.checkpoint.layout import CHECKPOINT_DIR
 from trainer.checkpoint.selection import check_explicit, newest_intact
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state
+from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
 from trainer.errors import CheckpointError
-from trainer.io import first_line
+from trainer.io import dotted_keys, first_line
 
 
 def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:
@@ -103,7 +103,7 @@ def _load_dcp(template: dict[str, torch.Tensor], ckpt: Path, metadata, vocab_siz
     wanted = dict(template)
     if repad:
         wanted[EMBEDDING] = torch.empty((source_rows, embedding.shape[1]), dtype=embedding.dtype)
-    check_template(ckpt, metadata, flatten_state({"model": wanted}))
+    check_template(ckpt, metadata, dotted_keys({"model": wanted}))
     try:
         dcp.load({"model": wanted}, storage_reader=SafeReader(ckpt))
     except DCP_ERRORS as err:

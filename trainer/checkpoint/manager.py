@@ -40,11 +40,11 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, flatten_state
+from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
 from trainer.config import to_dict
 from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
-from trainer.io import first_line, fsync_dir, write_durable
+from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 
 
 def _json_float(value: float) -> float | None:
@@ -167,7 +167,7 @@ class Checkpointer:
             "model": strategy.model_state_dict(model),
             "optim": strategy.optimizer_state_template(model, optimizer),
         }
-        check_template(ckpt, metadata, flatten_state(template))
+        check_template(ckpt, metadata, dotted_keys(template))
         try:
             dcp.load(template, storage_reader=SafeReader(ckpt))
         except DCP_ERRORS as err:

@@ -158,18 +158,6 @@ def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
         )
 
 
-def flatten_state(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The dotted keys DCP stores a nested dict of tensors under."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten_state(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def check_template(ckpt: Path, metadata: Metadata, flat_template: dict[str, torch.Tensor]) -> None:
     """Every tensor the load asks for is a tensor of the same shape in the checkpoint.
 

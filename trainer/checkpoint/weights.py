@@ -27,14 +27,13 @@ from trainer.checkpoint.verify import (
     SafeReader,
     check_files,
     check_template,
-    flatten_state,
     read_checkpoint_config,
     read_metadata,
     verify_files,
 )
 from trainer.config import from_dict
 from trainer.errors import CheckpointError
-from trainer.io import first_line
+from trainer.io import dotted_keys, first_line
 from trainer.model import build_model
 from trainer.parallel.base import tied_aliases
 
@@ -54,7 +53,7 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
         raise CheckpointError(f"{err}; {hint}") from None
     aliases = tied_aliases(model)
     template = {k: v for k, v in model.state_dict().items() if k not in aliases}
-    check_template(ckpt_dir, metadata, flatten_state({"model": template}))
+    check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
     try:
         dcp.load({"model": template}, storage_reader=SafeReader(ckpt_dir), no_dist=True)
     except CheckpointError:
