@@ -32,6 +32,22 @@ MIXED_PRECISION = ("auto", "bf16", "fp32")
 # metrics.jsonl only, which is always written.
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 INIT_FROM_REQUIRED = "REQUIRED"
+# The block options (model.norm, model.pos, model.mlp), checked torch-free by trainer/validation.py.
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu", "relu2")
+
+
+def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None, multiple_of: int) -> int:
+    """The MLP's hidden width: model.mlp_hidden, else 4 x n_embd, or for SwiGLU Llama's rule (two
+    thirds of 4 x n_embd, which keeps its three matrices at the two matrices' parameter count,
+    rounded up to a multiple of `multiple_of`)."""
+    if mlp_hidden is not None:
+        return mlp_hidden
+    if mlp != "swiglu":
+        return 4 * n_embd
+    hidden = int(2 * 4 * n_embd / 3)
+    return (hidden + multiple_of - 1) // multiple_of * multiple_of
 
 
 @dataclass
@@ -46,7 +62,20 @@ class ModelConfig:
     # GPT-2's 50257 becomes 50304). 1 keeps the exact vocabulary.
     pad_vocab_multiple: int = 1
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool = True  # biases in every linear layer (and LayerNorm)
+    # The block family, key by key (the defaults are GPT-2's; conf/model/llama_*.yaml are Llama's).
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    pos: str = "learned"  # learned (a position table) | rope (rotary, in attention)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"  # gelu | swiglu (gated: three matrices) | relu2 (ReLU squared)
+    # The MLP's hidden width; null = 4 x n_embd (gelu, relu2), Llama's 8/3 x n_embd rounded up to a
+    # multiple of mlp_multiple_of (swiglu).
+    mlp_hidden: Optional[int] = None
+    mlp_multiple_of: int = 256
+    n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads (null = n_head)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (before RoPE), as OLMo 2 and Qwen3
+    tie_embeddings: bool = True  # the output head shares the token embedding (GPT-2 ties; Llama does not)
     # Start a new run (step 0, fresh optimizer and data) from these weights: a Hugging Face GPT-2
     # folder, a dtrain run directory (its newest checkpoint) or a step_* folder. The group's shape
     # must be the source's. Not resume: a run dir with its own checkpoint continues from that.

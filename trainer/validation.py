@@ -10,8 +10,11 @@ from trainer.config import (
     INIT_FROM_REQUIRED,
     LOGGERS,
     MIXED_PRECISION,
+    MLPS,
+    NORMS,
     ON_NONFINITE,
     PARALLEL_MODES,
+    POSITIONS,
     TOKENIZER_VOCAB_SIZE,
     Config,
     DataConfig,
@@ -46,6 +49,11 @@ RANGES = {
     "model.block_size": _at_least(1),
     "model.pad_vocab_multiple": _at_least(1),
     "model.dropout": _fraction(),
+    "model.norm_eps": _positive(),
+    "model.rope_theta": _positive(),
+    "model.mlp_hidden": _at_least(1),
+    "model.mlp_multiple_of": _at_least(1),
+    "model.n_kv_head": _at_least(1),
     "data.val_fraction": _fraction(),
     "data.shard_tokens": _at_least(1),
     "data.max_tokens": _at_least(1),
@@ -85,6 +93,7 @@ RANGES = {
 
 # What a null means for the keys that take one (said beside the range a value missed).
 NULL_MEANS = {
+    "model.mlp_hidden": "4 x n_embd, or Llama's rule for swiglu", "model.n_kv_head": "n_head",
     "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
     "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",
     "eval.limit": "every example", "world": "1, or torchrun's WORLD_SIZE",
@@ -138,8 +147,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     if t.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    check_block(m)
     if m.init_from == INIT_FROM_REQUIRED:
         raise ConfigError(
             "this recipe fine-tunes pretrained weights: pass model.init_from=PATH (a Hugging Face GPT-2 folder, "
@@ -168,6 +176,26 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("resume= must be auto, never or a checkpoint path")
     check_logger(cfg.logger)
     batch_plan(cfg, requested_world(cfg))
+
+
+def check_block(m: DictConfig) -> None:
+    """The block options name known choices and fit together (model.*)."""
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+        if m[key] not in choices:
+            raise ConfigError(f"model.{key}={m[key]!r} is unknown; choose one of {', '.join(choices)}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if m.n_kv_head is not None and m.n_head % m.n_kv_head:
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head serves "
+            f"a whole group of query heads); e.g. model.n_kv_head={m.n_head} (or null: n_head)"
+        )
+    head_dim = m.n_embd // m.n_head
+    if m.pos == "rope" and head_dim % 2:
+        raise ConfigError(
+            f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
+            "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
+        )
 
 
 def check_logger(logger) -> None:

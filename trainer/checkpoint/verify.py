@@ -27,6 +27,7 @@ from trainer.checkpoint.layout import (
     METADATA_FILE,
     STATE_FILE,
 )
+from trainer.config import ModelConfig
 from trainer.errors import CheckpointError
 from trainer.io import first_line
 
@@ -36,8 +37,11 @@ from trainer.io import first_line
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
 # DCP reports a failure on any rank as CheckpointException, a BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
-# Model fields that must agree between a checkpoint and the run that loads it.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
+# Model fields that must agree between a checkpoint and the run that loads it, with the value a
+# checkpoint written before the field existed was trained with (GPT-2's block).
+MODEL_FIELDS = {k: getattr(ModelConfig, k) for k in (
+    "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias", "norm", "norm_eps",
+    "pos", "rope_theta", "mlp", "mlp_hidden", "mlp_multiple_of", "n_kv_head", "qk_norm", "tie_embeddings")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -149,7 +153,8 @@ def check_files(ckpt: Path, metadata: Metadata) -> None:
 def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
     saved = saved_cfg.get("model", {})
     diffs = [
-        f"{k}={saved.get(k)!r} vs {model_cfg[k]!r}" for k in MODEL_FIELDS if saved.get(k) != model_cfg[k]
+        f"{k}={saved.get(k, old)!r} vs {model_cfg[k]!r}" for k, old in MODEL_FIELDS.items()
+        if saved.get(k, old) != model_cfg[k]
     ]
     if diffs:
         raise CheckpointError(

@@ -1,0 +1,137 @@
+"""The GPT assembled from its config: token embedding, positions (a learned table or rotary), pre-norm
+blocks, final norm, output head (tied to the embedding or its own).
+
+With the defaults this is GPT-2 exactly, under Hugging Face's GPT2LMHeadModel names
+(transformer.wte, transformer.h.0.attn.c_attn, ...), so weights can be exchanged; HF stores the
+linear weights of c_attn/c_proj/c_fc transposed (Conv1D), which export/import handle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from trainer.model.config import GPTConfig
+from trainer.model.layers import Block, make_norm, rotary_tables
+
+# What each parameter is to the optimizer (trainer/optim.py): Muon takes the hidden matrices.
+ROLES = ("hidden", "embedding", "head", "norm", "bias")
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        layers = dict(wte=nn.Embedding(config.padded_vocab_size, config.n_embd))
+        if config.pos == "learned":
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                      ln_f=make_norm(config, config.n_embd))
+        self.transformer = nn.ModuleDict(layers)
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight
+        self.activation_checkpointing = False
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scaled_init", False):
+                # GPT-2: residual projections scaled so the residual stream's variance does not
+                # grow with depth (two residual adds per block).
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied embedding counted once), positions included."""
+        return sum(p.numel() for p in self.parameters())
+
+    @staticmethod
+    def param_role(name: str, param: torch.Tensor) -> str:
+        """One of ROLES for a parameter of this model, by its name (as named_parameters gives it,
+        the tied embedding under transformer.wte) and shape."""
+        if name.startswith("transformer.h.") and param.dim() == 2:
+            return "hidden"
+        if name.startswith(("transformer.wte.", "transformer.wpe.")):
+            return "embedding"
+        if name.startswith("lm_head."):
+            return "head"
+        return "bias" if name.endswith(".bias") else "norm"
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary cos/sin for `positions` (None with a learned position table)."""
+        c = self.config
+        return rotary_tables(positions, c.head_dim, c.rope_theta) if c.pos == "rope" else None
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None):
+        """(logits, loss). `logits_at` (B,) without targets: only the logits of that one position of
+        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
+        rope = self.rope(pos)
+        for block in self.transformer.h:
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
+        x = self.transformer.ln_f(x)
+        if logits_at is not None and targets is None:
+            x = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits[..., : self.config.vocab_size], None
+        # Padded vocabulary rows never appear as targets; their logits only add to the softmax
+        # denominator and are pushed down by training, so they are kept (slicing would copy).
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B: 6 per weight
+        a token is multiplied with (table lookups are not: the position table, and the token
+        embedding when the head has its own weight), plus attention's scores and weighted sum."""
+        c = self.config
+        n = self.num_params()
+        if "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        if not c.tie_embeddings:
+            n -= self.transformer.wte.weight.numel()
+        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = 50,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx
+
+
+def build_model(model_cfg) -> GPT:
+    return GPT(GPTConfig.from_cfg(model_cfg))
