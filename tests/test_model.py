@@ -4,6 +4,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.model import GPT, GPTConfig
+from trainer.model.layers import apply_rotary, rotary_tables
 from trainer.optim import lr_at, param_groups
 
 
@@ -76,3 +77,71 @@ def test_generate_extends_the_context():
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8, vocab_size=50))
     out = model.generate(torch.zeros(1, 3, dtype=torch.long), 12, generator=torch.Generator().manual_seed(1))
     assert out.shape == (1, 15) and out.max() < 50
+
+
+LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=100, bias=False,
+             norm="rmsnorm", pos="rope", mlp="swiglu", mlp_multiple_of=32, tie_embeddings=False)
+
+
+def test_llama_block_shapes_parameters_and_flops():
+    model = GPT(GPTConfig(**LLAMA))
+    c = model.config
+    assert c.hidden == 192  # Llama's rule: 8/3 x 64 = 170, rounded up to a multiple of 32
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (64 + 2 * 2 * 16, 64)  # q, then 2 kv heads of k and v
+    assert shapes["transformer.h.0.mlp.c_fc.weight"] == (2 * 192, 64)  # [gate | up]
+    assert shapes["transformer.h.0.mlp.c_proj.weight"] == (64, 192)
+    assert "transformer.wpe.weight" not in shapes and not any(n.endswith(".bias") for n in shapes)
+    assert model.lm_head.weight is not model.transformer.wte.weight  # untied
+    per_block = 64 * 128 + 64 * 64 + 3 * 64 * 192 + 2 * 64  # attention, MLP, two RMSNorm weights
+    assert model.num_params() == 2 * 100 * 64 + 2 * per_block + 64
+    # FLOPs: the token embedding is a lookup, the head a matmul, attention 12 x layers x width x T
+    assert model.flops_per_token(32) == 6 * (100 * 64 + 2 * per_block + 64) + 12 * 2 * 64 * 32
+    gpt2 = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100))
+    assert gpt2.flops_per_token(16) == 6 * (gpt2.num_params() - 16 * 32) + 12 * 2 * 32 * 16
+
+
+def test_parameter_roles_cover_both_families():
+    for config in (GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=100),
+                   GPTConfig(**{**LLAMA, "qk_norm": True})):
+        model = GPT(config)
+        roles = {n: GPT.param_role(n, p) for n, p in model.named_parameters()}
+        hidden = {n for n, r in roles.items() if r == "hidden"}
+        assert hidden == {n for n, p in model.named_parameters() if n.startswith("transformer.h.") and p.dim() == 2}
+        assert roles["transformer.wte.weight"] == "embedding"
+        assert all(roles[n] == "norm" for n in roles if "norm" in n or ".ln_" in n and n.endswith("weight"))
+        assert all(r == "bias" for n, r in roles.items() if n.endswith(".bias"))
+    assert roles["lm_head.weight"] == "head" and roles["transformer.h.0.attn.q_norm.weight"] == "norm"
+
+
+def test_grouped_kv_heads_equal_repeated_full_heads():
+    """GQA with 2 kv heads is full attention whose k and v heads are each used twice."""
+    torch.manual_seed(0)
+    gqa = GPT(GPTConfig(**LLAMA)).eval()
+    full = GPT(GPTConfig(**{**LLAMA, "n_kv_head": 4})).eval()
+    state = dict(gqa.state_dict())
+    for i in range(2):
+        w = state[f"transformer.h.{i}.attn.c_attn.weight"]
+        q, k, v = w.split([64, 32, 32])
+        heads = lambda t: t.view(2, 16, 64).repeat_interleave(2, dim=0).reshape(64, 64)
+        state[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([q, heads(k), heads(v)])
+    full.load_state_dict(state)
+    idx = torch.randint(0, 100, (2, 32))
+    assert torch.allclose(gqa(idx)[0], full(idx)[0], atol=1e-5)
+
+
+def test_rope_scores_depend_on_relative_position_and_the_future_does_not_leak():
+    torch.manual_seed(0)
+    for extra in ({}, {"qk_norm": True}, {"mlp": "relu2", "norm": "layernorm", "bias": True}):
+        model = GPT(GPTConfig(**{**LLAMA, **extra})).eval()
+        idx = torch.randint(0, 100, (1, 32))
+        changed = idx.clone()
+        changed[:, 20:] = 7
+        assert torch.allclose(model(idx)[0][:, :20], model(changed)[0][:, :20], atol=1e-6)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    def score(i, j):
+        cq, sq = rotary_tables(torch.tensor([i]), 16, 10000.0)
+        ck, sk = rotary_tables(torch.tensor([j]), 16, 10000.0)
+        return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
+    assert torch.allclose(score(5, 2), score(13, 10), atol=1e-5)  # only i - j matters
+    assert not torch.allclose(score(5, 2), score(5, 3), atol=1e-3)

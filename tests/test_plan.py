@@ -19,6 +19,9 @@ SIZES = {
     "tiny": ["model=tiny", "train.micro_batch_size=4", "train.seq_len=128"],
     "8x128": ["model=cpu_small", "model.n_layer=8", "model.n_embd=128", "model.pad_vocab_multiple=64",
               "train.micro_batch_size=4", "train.seq_len=256"],
+    # Llama's blocks: a SwiGLU MLP (three matrices), grouped KV heads, rotary positions, an untied head
+    "llama_8x128": ["model=llama_cpu_small", "model.n_layer=8", "model.pad_vocab_multiple=64",
+                    "train.micro_batch_size=4", "train.seq_len=256"],
 }
 # a real peak: fresh worker processes started by torchrun's engine, 3 product training steps
 MEASURE = """
@@ -56,7 +59,8 @@ def measured_peak(cfg, world, tmp_path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size,mode,world", [("tiny", "none", 1), ("8x128", "none", 1), ("8x128", "fsdp", 2)])
+@pytest.mark.parametrize("size,mode,world", [("tiny", "none", 1), ("8x128", "none", 1), ("8x128", "fsdp", 2),
+                                                   ("llama_8x128", "none", 1), ("llama_8x128", "fsdp", 2)])
 def test_estimate_within_15_percent_of_measured_peak(size, mode, world, data_dir, tmp_path):
     cfg = config(data_dir, SIZES[size], mode, world)
     peak = measured_peak(cfg, world, tmp_path)

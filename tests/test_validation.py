@@ -25,7 +25,7 @@ from trainer.model import build_model
 from trainer.parallel import STRATEGIES, make_strategy
 from trainer.rundir import write_config_record
 from trainer.runtime import Runtime
-from trainer.validation import RANGES, check_ranges
+from trainer.validation import RANGES, check_ranges, validate
 from trainer.writable import write_errors_as_user_errors
 
 
@@ -72,6 +72,8 @@ def assert_nothing_written(run_dir: Path) -> None:
         (["checkpoint.keep=0"], ["checkpoint.keep=0 must be at least 1"]),
         (["checkpoint.interval=-1"], ["checkpoint.interval=-1 must be at least 0"]),
         (["model.n_head=0"], ["model.n_head=0 must be at least 1"]),  # was a ZeroDivisionError
+        (["model=llama_tiny", "model.n_kv_head=3"], ["model.n_kv_head=3 must divide model.n_head=4"]),
+        (["model.pos=rope", "model.n_head=8", "model.n_embd=24"], ["model.pos=rope rotates pairs", "an odd number"]),
         (["world=0"], ["world=0 must be at least 1"]),
         # two replicas that never synchronise would train two unrelated models
         (["parallel=none", "world=2"], ["parallel=none does not synchronise gradients", "use parallel=ddp"]),
@@ -274,3 +276,26 @@ def test_write_errors_as_user_errors_leaves_other_errors_alone(tmp_path):
         with write_errors_as_user_errors(tmp_path / "x", "fix"):
             raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
 
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("model.norm=batchnorm", "model.norm='batchnorm' is unknown; choose one of layernorm, rmsnorm"),
+    ("model.pos=alibi", "model.pos='alibi' is unknown; choose one of learned, rope"),
+    ("model.mlp=geglu", "model.mlp='geglu' is unknown; choose one of gelu, swiglu, relu2"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 must be positive"),
+    ("model.rope_theta=-1", "model.rope_theta=-1.0 must be positive"),
+    ("model.mlp_hidden=0", "model.mlp_hidden=0 must be at least 1 (or null: 4 x n_embd, or Llama's rule"),
+    ("model.n_kv_head=0", "model.n_kv_head=0 must be at least 1 (or null: n_head)"),
+])
+def test_block_options_are_checked(override, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        validate(compose(["model=llama_tiny", override]))
+    assert needle in str(err.value)
+
+
+def test_every_model_preset_is_valid_and_builds_on_meta():
+    for preset in sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml")):
+        cfg = compose([f"model={preset}"])
+        validate(cfg)
+        with torch.device("meta"):
+            assert build_model(cfg.model).num_params() > 0

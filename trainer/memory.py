@@ -94,7 +94,13 @@ def fmt_bytes(n: float) -> str:
 # -------------------------------------------------------------------------------- estimation
 
 # Fitted on CPU (fp32, torch 2.13) against the resident-set peak of real runs, see the module doc.
-BLOCK_ACT_PER_C = 20.0  # bytes kept for backward per token and block, in units of n_embd x dtype size
+# Kept for backward per token and block, in elements: BLOCK_ACT_PER_C x n_embd (fitted on GPT-2's
+# block: 20 x n_embd in all), of which the q/k/v projection's output (3 x n_embd there) and the
+# MLP's (2 x its 4 x n_embd hidden there: c_fc's output and the activation's) follow the block's
+# shape: grouped KV heads narrow the first, SwiGLU keeps four hidden-wide tensors (gate, up,
+# SiLU(gate), the product), ReLU squared three.
+BLOCK_ACT_PER_C = 20.0
+MLP_ACT_PER_HIDDEN = {"gelu": 2, "relu2": 3, "swiglu": 4}
 HEAD_ACT_PER_V = 3.0  # fp32 log-softmax, its gradient and the logits' gradient, per token x vocab
 CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker touches, allocator slack
 CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not measured here)
@@ -183,7 +189,10 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     # --- activations of one micro batch ------------------------------------------------------
     C, L, V = m.n_embd, m.n_layer, model.config.padded_vocab_size
     tokens = micro_batch * t.seq_len
-    block = BLOCK_ACT_PER_C * C * act * tokens
+    shape = model.config
+    qkv = C + 2 * shape.kv_heads * shape.head_dim
+    per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden
+    block = per_token * act * tokens
     if t.activation_checkpointing:
         # each block keeps only its input; backward recomputes one block at a time
         blocks = L * C * act * tokens + block

@@ -20,6 +20,7 @@ from trainer.compose import compose
 from trainer.config import requested_world
 from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
+from trainer.model import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
 from trainer.validation import validate
@@ -81,7 +82,8 @@ def cmd_plan(argv: list[str]) -> None:
     if memory is None:
         memory, source = _default_memory(device_type, max(1, world // max(1, cfg.launch.nnodes)))
     B = cfg.train.micro_batch_size
-    model = f"{cfg.model.name}: {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}"
+    model = (f"{cfg.model.name}: {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd} "
+             f"({GPTConfig.from_cfg(cfg.model).summary()})")
     table = Table(
         title=f"per-rank memory estimate: {model}, micro batch {B} x seq {cfg.train.seq_len}, "
               f"{device_type}, {'checkpointed ' if cfg.train.activation_checkpointing else ''}"

@@ -46,6 +46,15 @@ class GPTConfig:
         """The MLP's hidden width (see trainer.config.mlp_width)."""
         return mlp_width(self.n_embd, self.mlp, self.mlp_hidden, self.mlp_multiple_of)
 
+    def summary(self) -> str:
+        """The block's options in a few words (GPT-2's: "layernorm, learned, gelu 3072")."""
+        parts = [self.norm, self.pos, f"{self.mlp} {self.hidden}"]
+        if self.kv_heads != self.n_head:
+            parts.append(f"{self.n_head} q / {self.kv_heads} kv heads")
+        flags = (("qk-norm", self.qk_norm), ("untied head", not self.tie_embeddings), ("no bias", not self.bias))
+        parts += [word for word, on in flags if on]
+        return ", ".join(parts)
+
     @classmethod
     def from_cfg(cls, model_cfg) -> GPTConfig:
         """From the run's model config. A key the saved config of an older run lacks keeps its
