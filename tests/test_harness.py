@@ -261,3 +261,22 @@ def test_builtin_hellaswag_path_is_untouched_without_tasks(run_dir):
     code = "import sys, trainer.commands.eval; assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dtrain_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_llama_rolling_loglikelihood_equals_the_hf_model_on_its_export(data_dir, tasks_dir, tmp_path):
+    """A Llama-shaped run: `dtrain eval --tasks` on its checkpoint and the harness's `hf` model on
+    its export (a LlamaForCausalLM) give the same perplexities, documents longer than the block."""
+    run = tmp_path / "llama"
+    run_dtrain(tiny_args(data_dir, run, "model=llama_tiny", "train.max_steps=10"), check=True)
+    proc = run_dtrain(["eval", str(run), "--tasks", "dtrain_ppl", "--include-path", str(tasks_dir),
+                       "--batch-size", str(BATCH), "--device", "cpu"], env=offline_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ours = json.loads((run / "eval_harness.json").read_text())["results"]["dtrain_ppl"]
+    run_dtrain(["export", str(run), "--out", str(tmp_path / "hf")], check=True)
+    hf = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=BATCH)
+    assert type(hf.model).__name__ == "LlamaForCausalLM"
+    theirs = simple_evaluate(model=hf, tasks=["dtrain_ppl"], task_manager=TaskManager(include_path=str(tasks_dir)),
+                             log_samples=False)["results"]["dtrain_ppl"]
+    for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert _close(ours[key], theirs[key], rel=1e-4), (key, ours[key], theirs[key])
+    assert ours["word_perplexity,none"] > 1

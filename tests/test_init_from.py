@@ -48,9 +48,10 @@ def hf_folder(tmp_path_factory) -> Path:
     return make_hf_folder(tmp_path_factory.mktemp("hf") / "gpt2")
 
 
-def loaded_model(spec: str | Path, *overrides: str):
-    """A fresh tiny GPT (parallel=none) with model.init_from's weights loaded the way training does."""
-    cfg = compose(["model=tiny", "train.device=cpu", f"model.init_from={spec}", *overrides])
+def loaded_model(spec: str | Path, *overrides: str, model: str = "tiny"):
+    """A fresh GPT of the `model` group (parallel=none) with model.init_from's weights loaded the way
+    training does."""
+    cfg = compose([f"model={model}", "train.device=cpu", f"model.init_from={spec}", *overrides])
     check_init_source(cfg.model.init_from, cfg.model)
     rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
     strategy = make_strategy(cfg.parallel, cfg.train, rt)

@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 names and layouts <-> ours: the one mapping `dtrain export` writes with and
-`model.init_from` reads with.
+"""Hugging Face names and layouts <-> ours: the one mapping `dtrain export` writes with and
+`model.init_from` reads with. GPT-2's is here; Llama's table of names (and Qwen3's, Llama with
+QK-norm) is in hf_llama.py, applied to tensors here.
 
 Our parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight` ...). What differs:
 - HF's Conv1D stores c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear;
@@ -13,8 +14,13 @@ Our parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight` 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from pathlib import Path
+
 import torch
 
+from trainer.checkpoint.hf_llama import export_family, file_key, llama_config, llama_parts
 from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
 
@@ -22,6 +28,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 WEIGHTS_FILE = "model.safetensors"
 PREFIX = "transformer."
 EMBEDDING = "transformer.wte.weight"
+HEAD = "lm_head.weight"
 
 
 def safetensors_lib(what: str):
@@ -46,10 +53,17 @@ def bias_names(n_layer: int) -> list[str]:
     return [f"transformer.h.{i}.{b}" for i in range(n_layer) for b in per_block] + ["transformer.ln_f.bias"]
 
 
+def model_family(model) -> str:
+    """The transformers model_type our GPT exports as (gpt2, llama, qwen3), or one ConfigError."""
+    return export_family(dataclasses.asdict(model.config))
+
+
 # --- ours -> HF (dtrain export) -------------------------------------------------------------
 
 def to_hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Our GPT's weights under Hugging Face GPT-2's names and layouts (contiguous, unshared)."""
+    """Our GPT's weights under the Hugging Face family's names and layouts (contiguous, unshared)."""
+    if model_family(model) != "gpt2":
+        return _to_llama_state_dict(model, dtype)
     c = model.config
     out = {}
     for name, tensor in model.state_dict().items():
@@ -68,9 +82,27 @@ def to_hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, tor
     return out
 
 
-def hf_config(model, dtype: str = "float32") -> dict:
-    """config.json of the equivalent transformers GPT2LMHeadModel."""
+def _to_llama_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each of our tensors split into the HF tensors hf_llama.llama_parts stacks in it."""
     c = model.config
+    parts = llama_parts(dataclasses.asdict(c))
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name not in parts:  # the tied head's alias of the embedding
+            continue
+        start = 0
+        for key, shape in parts[name]:
+            out[key] = tensor[start:start + shape[0]].detach().to("cpu", dtype).contiguous().clone()
+            start += shape[0]
+    return out
+
+
+def hf_config(model, dtype: str = "float32") -> dict:
+    """config.json of the equivalent transformers model (GPT2LMHeadModel, LlamaForCausalLM...)."""
+    c = model.config
+    family = model_family(model)
+    if family != "gpt2":
+        return llama_config(dataclasses.asdict(c), family, dtype)
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -82,7 +114,7 @@ def hf_config(model, dtype: str = "float32") -> dict:
         "n_head": c.n_head,
         "n_inner": None,  # 4 x n_embd
         "activation_function": "gelu_new",  # GELU, tanh approximation
-        "layer_norm_epsilon": 1e-5,
+        "layer_norm_epsilon": c.norm_eps,
         "resid_pdrop": c.dropout,
         "embd_pdrop": c.dropout,
         "attn_pdrop": c.dropout,
@@ -97,6 +129,48 @@ def hf_config(model, dtype: str = "float32") -> dict:
 
 
 # --- HF -> ours (model.init_from) -----------------------------------------------------------
+
+class SafetensorsFolder:
+    """The tensors of a HF folder by name, across its files (one model.safetensors, or the shards
+    model.safetensors.index.json lists), each opened once; get_slice reads only the part asked for."""
+
+    def __init__(self, safetensors, files: list[Path]):
+        self._safetensors, self._files = safetensors, files
+        self._stack = contextlib.ExitStack()
+        self._owner: dict = {}
+
+    def __enter__(self) -> SafetensorsFolder:
+        for file in self._files:
+            handle = self._stack.enter_context(self._safetensors.safe_open(str(file), framework="pt"))
+            self._owner.update(dict.fromkeys(handle.keys(), handle))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def keys(self):
+        return self._owner.keys()
+
+    def get_slice(self, key: str):
+        return self._owner[key].get_slice(key)
+
+
+def read_llama_region(files, name: str, parts: list, offsets: tuple, sizes: tuple) -> torch.Tensor:
+    """The part [offsets, offsets + sizes) of our tensor `name`, made of HF's `parts` stacked along
+    dim 0 (hf_llama.llama_parts): only the rows of each part that fall in it are read. Vocabulary
+    rows past HF's come back NaN for `pad_rows` to fill."""
+    start, stop = offsets[0], offsets[0] + sizes[0]
+    columns = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
+    pieces, base = [], 0
+    for key, shape in parts:
+        lo, hi = max(start, base), min(stop, base + shape[0])
+        if lo < hi:
+            pieces.append(files.get_slice(file_key(key, files.keys()))[(slice(lo - base, hi - base), *columns)])
+        base += shape[0]
+    if stop > base:
+        pieces.append(torch.full((stop - max(start, base), *sizes[1:]), float("nan")))
+    return torch.cat(pieces)
+
 
 def hf_prefix(keys) -> str:
     """How the file names our `transformer.*` tensors: GPT2LMHeadModel's save keeps the prefix, a

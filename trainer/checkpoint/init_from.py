@@ -1,9 +1,10 @@
-"""`model.init_from=PATH`: a new run's first weights, from a Hugging Face GPT-2 folder or a dtrain
-checkpoint (its source is checked before the run starts: trainer/checkpoint/init_source.py).
+"""`model.init_from=PATH`: a new run's first weights, from a Hugging Face GPT-2, Llama or Qwen3
+folder or a dtrain checkpoint (its source is checked before the run starts: trainer/checkpoint/init_source.py).
 
 The weights go into the model the strategy has already wrapped, through its own model state dict:
 under FSDP that holds each rank's shards (DTensors), and each rank reads only those: safetensors'
-get_slice reads the rows (or, for HF's transposed Conv1D weights, the columns) of its shard, DCP
+get_slice reads the rows (or, for HF's transposed Conv1D weights, the columns) of its shard, of
+each of HF's q/k/v or gate/up tensors our fused one holds (hf_llama.py), DCP
 reads the chunks the rank holds. No rank ever holds two full copies of the model. Optimizer,
 schedule, step and data start fresh: this is not a resume (which continues a run exactly).
 """
@@ -18,8 +19,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.hf import EMBEDDING, WEIGHTS_FILE, hf_prefix, pad_rows, read_hf_region, safetensors_lib
-from trainer.checkpoint.init_source import InitSource, find_init_source
+from trainer.checkpoint.hf import (
+    EMBEDDING,
+    HEAD,
+    SafetensorsFolder,
+    hf_prefix,
+    pad_rows,
+    read_hf_region,
+    read_llama_region,
+    safetensors_lib,
+)
+from trainer.checkpoint.hf_llama import file_key, llama_parts
+from trainer.checkpoint.init_source import InitSource, find_init_source, hf_weight_files
 from trainer.checkpoint.layout import CHECKPOINT_DIR
 from trainer.checkpoint.selection import check_explicit, newest_intact
 from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
@@ -39,7 +50,7 @@ def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:
     template = run.strategy.model_state_dict(run.model)
     vocab = run.cfg.model.vocab_size
     if source.kind == "hf":
-        _load_hf(template, source.path / WEIGHTS_FILE, vocab)
+        _load_hf(template, source, vocab)
     else:
         _load_dcp(template, source.path, metadata, vocab)
     run.strategy.load_model_state_dict(run.model, template)
@@ -77,43 +88,50 @@ def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
 
 
 @torch.no_grad()
-def _load_hf(template: dict[str, torch.Tensor], file: Path, vocab_size: int) -> None:
-    """Each tensor's local part read from the safetensors file, mapped to our layout."""
+def _load_hf(template: dict[str, torch.Tensor], source: InitSource, vocab_size: int) -> None:
+    """Each tensor's local part read from the folder's safetensors file(s), mapped to our layout."""
     safetensors = safetensors_lib("model.init_from with a Hugging Face folder")
-    with safetensors.safe_open(str(file), framework="pt") as handle:
-        prefix = hf_prefix(handle.keys())
+    gpt2 = source.shape["family"] == "gpt2"
+    parts = None if gpt2 else llama_parts(source.shape)
+    with SafetensorsFolder(safetensors, hf_weight_files(source.path)) as files:
+        prefix = hf_prefix(files.keys())
         for name, tensor in template.items():
             local, offsets, sizes = _local_part(tensor)
             if local.numel() == 0:
                 continue
-            part = read_hf_region(handle, prefix, name, offsets, sizes, vocab_size)
-            if name == EMBEDDING:
-                wte, columns = handle.get_slice(prefix + "wte.weight"), slice(offsets[1], offsets[1] + sizes[1])
-                pad_rows(part, offsets[0], vocab_size, lambda a, b, wte=wte, columns=columns: wte[a:b, columns])
+            if gpt2:
+                part = read_hf_region(files, prefix, name, offsets, sizes, vocab_size)
+                key = prefix + "wte.weight"
+            else:
+                part = read_llama_region(files, name, parts[name], offsets, sizes)
+                key = file_key(parts[name][0][0], files.keys())
+            if name in (EMBEDDING, HEAD):
+                rows, columns = files.get_slice(key), slice(offsets[1], offsets[1] + sizes[1])
+                pad_rows(part, offsets[0], vocab_size, lambda a, b, rows=rows, columns=columns: rows[a:b, columns])
             local.copy_(part)
 
 
 @torch.no_grad()
 def _load_dcp(template: dict[str, torch.Tensor], ckpt: Path, metadata, vocab_size: int) -> None:
-    """DCP reads each rank's chunks. Only where the embedding is padded differently (another
-    model.pad_vocab_multiple) is the source's embedding read whole, once, to re-pad it."""
+    """DCP reads each rank's chunks. Only where the vocabulary is padded differently (another
+    model.pad_vocab_multiple) are the source's embedding (and untied head) read whole, once, to
+    re-pad them."""
     source_rows = metadata.state_dict_metadata[f"model.{EMBEDDING}"].size[0]
-    embedding = template[EMBEDDING]
-    repad = source_rows != embedding.shape[0]
     wanted = dict(template)
-    if repad:
-        wanted[EMBEDDING] = torch.empty((source_rows, embedding.shape[1]), dtype=embedding.dtype)
+    repad = [n for n in (EMBEDDING, HEAD) if n in template and template[n].shape[0] != source_rows]
+    for name in repad:
+        wanted[name] = torch.empty((source_rows, template[name].shape[1]), dtype=template[name].dtype)
     check_template(ckpt, metadata, dotted_keys({"model": wanted}))
     try:
         dcp.load({"model": wanted}, storage_reader=SafeReader(ckpt))
     except DCP_ERRORS as err:
         raise CheckpointError(f"model.init_from: checkpoint {ckpt} could not be read: {first_line(err)}") from None
-    if repad:
-        full = wanted[EMBEDDING]
-        local, offsets, sizes = _local_part(embedding)
+    for name in repad:
+        full = wanted[name]
+        local, offsets, sizes = _local_part(template[name])
         real = max(0, min(offsets[0] + sizes[0], vocab_size) - offsets[0])  # rows of real tokens held here
         columns = slice(offsets[1], offsets[1] + sizes[1])
         part = torch.full(tuple(sizes), float("nan"), dtype=full.dtype)
         part[:real] = full[offsets[0]:offsets[0] + real, columns]
-        pad_rows(part, offsets[0], vocab_size, lambda a, b: full[a:b, columns])
+        pad_rows(part, offsets[0], vocab_size, lambda a, b, full=full, columns=columns: full[a:b, columns])
         local.copy_(part)

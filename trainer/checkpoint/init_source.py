@@ -1,8 +1,9 @@
 """What `model.init_from=PATH` names, checked before anything is written (no torch).
 
-PATH is a Hugging Face GPT-2 folder (config.json + model.safetensors, as `huggingface-cli download
-gpt2` or `dtrain export` write it), a dtrain run directory (its newest checkpoint) or one `step_*`
-checkpoint folder. The source's shape comes from config.json, the safetensors header or the
+PATH is a Hugging Face folder (config.json + model.safetensors or its sharded index, as
+`huggingface-cli download` or `dtrain export` write it) of a GPT-2, Llama or Qwen3 model, a dtrain
+run directory (its newest checkpoint) or one `step_*` checkpoint folder. The source's shape and
+block (norm, positions, MLP, KV heads...) come from config.json, the safetensors headers or the
 checkpoint's recorded config, and must be the chosen model group's: the model group describes the
 source (a shorter train.seq_len than its block size is fine; validation refuses a longer one).
 Only safetensors or DCP files are ever read, never a pickle.
@@ -10,6 +11,7 @@ Only safetensors or DCP files are ever read, never a pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass
@@ -17,17 +19,22 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from trainer.checkpoint.hf_llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_step, is_complete, resolve_checkpoint
-from trainer.config import CONF_DIR
+from trainer.config import CONF_DIR, ModelConfig, mlp_width
 from trainer.errors import CheckpointError, ConfigError
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"  # trainer.checkpoint.hf.WEIGHTS_FILE (that module needs torch)
+HF_INDEX = "model.safetensors.index.json"  # a sharded save: which file holds each tensor
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+# the block's keys a source must share with the model group (widths and heads as the model builds them)
+BLOCK_KEYS = ("norm", "pos", "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "norm_eps", "rope_theta")
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 # GELU with the tanh approximation, under both of transformers' names for it.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-KINDS = ("a Hugging Face GPT-2 folder (config.json + model.safetensors), a dtrain run directory or a "
-         "step_* checkpoint folder")
+KINDS = ("a Hugging Face GPT-2, Llama or Qwen3 folder (config.json + model.safetensors), a dtrain run "
+         "directory or a step_* checkpoint folder")
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,30 @@ class InitSource:
     spec: str  # as the user gave it
     path: Path  # the HF folder, or the checkpoint folder chosen
     kind: str  # "hf" or "dcp"
-    shape: dict  # SHAPE_KEYS, plus bias for a dtrain checkpoint
+    shape: dict  # SHAPE_KEYS and BLOCK_KEYS as the model builds them, plus bias (not of a HF GPT-2)
+
+
+def hf_weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: model.safetensors, or the shards its index names ([] if neither)."""
+    if (folder / HF_WEIGHTS).is_file():
+        return [folder / HF_WEIGHTS]
+    try:
+        weight_map = json.loads((folder / HF_INDEX).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [folder / name for name in sorted(set(weight_map.values()))]
+
+
+def effective(m) -> dict:
+    """SHAPE_KEYS and BLOCK_KEYS of a model config (or a source's shape) as the model builds them:
+    n_kv_head and mlp_hidden resolved, rope_theta only where positions are rotary."""
+    out = {k: m.get(k, DEFAULTS[k]) for k in (*SHAPE_KEYS, *BLOCK_KEYS)}
+    out["n_kv_head"] = out["n_kv_head"] or out["n_head"]
+    out["mlp_hidden"] = mlp_width(out["n_embd"], out["mlp"], out["mlp_hidden"],
+                                  m.get("mlp_multiple_of", DEFAULTS["mlp_multiple_of"]))
+    if out["pos"] != "rope":
+        out["rope_theta"] = None
+    return out
 
 
 def find_init_source(spec: str) -> InitSource:
@@ -44,7 +74,7 @@ def find_init_source(spec: str) -> InitSource:
     label = f"model.init_from={spec}"
     if not path.exists():
         raise CheckpointError(f"{label} does not exist; pass {KINDS}")
-    if path.is_dir() and (path / HF_WEIGHTS).is_file() and not is_complete(path):
+    if path.is_dir() and hf_weight_files(path) and not is_complete(path):
         return InitSource(spec, path, "hf", _hf_shape(path, label))
     if not (is_complete(path) or checkpoint_step(path) is not None or (path / CHECKPOINT_DIR).is_dir()):
         pickle = (path / "pytorch_model.bin").exists()
@@ -58,7 +88,8 @@ def find_init_source(spec: str) -> InitSource:
         saved = json.loads((ckpt / CONFIG_FILE).read_text()).get("model", {})
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{label}: checkpoint {ckpt} has no readable {CONFIG_FILE} ({err})") from None
-    shape = {k: saved.get(k) for k in (*SHAPE_KEYS, "bias", "pad_vocab_multiple")}
+    shape = {**effective(saved), "bias": saved.get("bias", DEFAULTS["bias"]),
+             "pad_vocab_multiple": saved.get("pad_vocab_multiple", 1)}
     return InitSource(spec, ckpt, "dcp", shape)
 
 
@@ -69,24 +100,26 @@ def _hf_shape(folder: Path, label: str) -> dict:
         raise CheckpointError(f"{label} has {HF_WEIGHTS} but no {HF_CONFIG}; download the whole folder") from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{label}: cannot read {HF_CONFIG} ({err})") from None
+    if cfg.get("model_type") in LLAMA_TYPES:
+        shape = llama_shape(cfg, label)
+        return {**effective(shape), "bias": shape["bias"], "family": cfg["model_type"]}
     if cfg.get("model_type") != "gpt2":
-        raise CheckpointError(
-            f"{label} holds a {cfg.get('model_type')!r} model; model.init_from reads GPT-2 (model_type gpt2)")
+        raise CheckpointError(f"{label} holds a {cfg.get('model_type')!r} model; model.init_from reads GPT-2, "
+                              f"Llama and Qwen3 (model_type gpt2, {', '.join(LLAMA_TYPES)})")
     unsupported = []
     if cfg.get("activation_function", "gelu_new") not in TANH_GELU:
         unsupported.append(f"activation_function={cfg['activation_function']}")
     if cfg.get("n_inner") not in (None, 4 * cfg.get("n_embd", 0)):
         unsupported.append(f"n_inner={cfg['n_inner']}")
-    if cfg.get("layer_norm_epsilon", 1e-5) != 1e-5:
-        unsupported.append(f"layer_norm_epsilon={cfg['layer_norm_epsilon']}")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if cfg.get(flag):
             unsupported.append(f"{flag}=true")
     if unsupported or cfg.get("scale_attn_weights") is False:
         what = ", ".join(unsupported or ["scale_attn_weights=false"])
         raise CheckpointError(f"{label} is a GPT-2 variant dtrain's model cannot reproduce ({what})")
-    return {"n_layer": cfg.get("n_layer"), "n_head": cfg.get("n_head"), "n_embd": cfg.get("n_embd"),
-            "block_size": cfg.get("n_positions"), "vocab_size": cfg.get("vocab_size")}
+    return effective({"n_layer": cfg.get("n_layer"), "n_head": cfg.get("n_head"), "n_embd": cfg.get("n_embd"),
+                      "block_size": cfg.get("n_positions"), "vocab_size": cfg.get("vocab_size"),
+                      "norm_eps": cfg.get("layer_norm_epsilon", 1e-5)}) | {"family": "gpt2"}
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
@@ -114,21 +147,36 @@ def hf_tensor_shapes(s: dict) -> dict[str, list[int]]:
     return shapes
 
 
+def _headers(folder: Path) -> dict[str, tuple[Path, int, dict]]:
+    """Every tensor the folder's safetensors files hold: name -> (file, data start, header entry)."""
+    out = {}
+    for file in hf_weight_files(folder):
+        header, start = read_safetensors_header(file)
+        out.update({name: (file, start, entry) for name, entry in header.items() if name != "__metadata__"})
+    return out
+
+
+def _expected_tensors(source: InitSource, keys) -> dict[str, list[int]]:
+    """Every tensor the source's family stores for its shape, under the file's names."""
+    if source.shape["norm"] == "layernorm":  # GPT-2: the only HF family with LayerNorm
+        prefix = "transformer." if "transformer.wte.weight" in keys else ""
+        return {prefix + name: shape for name, shape in hf_tensor_shapes(source.shape).items()}
+    return {file_key(key, keys): shape for parts in llama_parts(source.shape).values() for key, shape in parts}
+
+
 def _check_hf_file(source: InitSource, bias: bool) -> None:
     """Every tensor there with its shape; with model.bias=false, every bias zero (the same function)."""
-    file = source.path / HF_WEIGHTS
-    header, start = read_safetensors_header(file)
-    prefix = "transformer." if "transformer.wte.weight" in header else ""
-    nonzero, label = [], f"model.init_from={source.spec}: {file}"
-    for name, shape in hf_tensor_shapes(source.shape).items():
-        entry = header.get(prefix + name)
-        if entry is None:
-            raise CheckpointError(f"{label} has no tensor {prefix + name!r}; it is not a complete GPT-2")
+    tensors = _headers(source.path)
+    nonzero, label = [], f"model.init_from={source.spec}: {source.path}"
+    for name, shape in _expected_tensors(source, tensors.keys()).items():
+        if name not in tensors:
+            raise CheckpointError(f"{label} has no tensor {name!r}; it is not a complete {source.shape['family']}")
+        file, start, entry = tensors[name]
         if entry["shape"] != shape:
             raise CheckpointError(
-                f"{label} holds {prefix + name} of shape {entry['shape']}, but its config.json says {shape}")
+                f"{label} holds {name} of shape {entry['shape']} in {file.name}, but its config.json says {shape}")
         if not bias and name.endswith(".bias") and not _all_zero(file, start, entry):
-            nonzero.append(prefix + name)
+            nonzero.append(name)
     if nonzero:
         raise ConfigError(f"model.init_from={source.spec} has non-zero biases ({nonzero[0]} and "
                           f"{len(nonzero) - 1} more) but model.bias=false would drop them; set model.bias=true")
@@ -145,35 +193,51 @@ def _all_zero(file: Path, start: int, entry: dict) -> bool:
     return not any(data)
 
 
-def _describe(shape: dict, hf: bool, source: bool) -> str:
-    names = {"block_size": "n_positions"} if hf and source else {}
-    keys = [*SHAPE_KEYS, *(() if hf else ("bias",))]
-    return " ".join(f"{names.get(k, k)}={shape.get(k)}" for k in keys)
+def _compared(source: InitSource) -> list[str]:
+    """The keys the model group must share with the source: a HF GPT-2's biases are always stored
+    (zeros are model.bias=false's function), everywhere else model.bias is part of the shape."""
+    gpt2_file = source.kind == "hf" and source.shape["norm"] == "layernorm"
+    return [*SHAPE_KEYS, *BLOCK_KEYS, *(() if gpt2_file else ("bias",))]
 
 
-def _matching_group(shape: dict) -> str | None:
-    """The model group (conf/model/*.yaml) with the source's layers, heads, width and block size."""
+def _value(v) -> str:
+    """As a Hydra override spells it (true, not Python's True)."""
+    return str(v).lower() if isinstance(v, bool) or v is None else str(v)
+
+
+def _describe(shape: dict, keys: list[str], hf_gpt2: bool) -> str:
+    names = {"block_size": "n_positions"} if hf_gpt2 else {}
+    return " ".join(f"{names.get(k, k)}={_value(shape.get(k))}" for k in keys)
+
+
+def _matching_group(shape: dict, keys: list[str]) -> str | None:
+    """The model group (conf/model/*.yaml) with the source's layers, heads, width, block size and block."""
     for file in sorted((CONF_DIR / "model").glob("*.yaml")):
-        group = OmegaConf.load(file)
-        if all(group.get(k) == shape.get(k) for k in ("n_layer", "n_head", "n_embd", "block_size")):
+        preset = OmegaConf.load(file)
+        group = {**effective(preset), "bias": preset.get("bias", DEFAULTS["bias"])}
+        if all(group[k] == shape.get(k) for k in keys if k != "vocab_size"):
             return file.stem
     return None
 
 
 def check_init_source(spec: str, model_cfg) -> InitSource:
-    """The source, once its shape is the chosen model's: one ConfigError naming both shapes (and
-    the model group to choose) when it is not."""
+    """The source, once its shape and block are the chosen model's: one ConfigError naming both
+    (and the model group to choose, or the keys to set) when they are not."""
     source = find_init_source(spec)
-    hf = source.kind == "hf"
-    keys = [*SHAPE_KEYS, *(() if hf else ("bias",))]
-    if any(source.shape.get(k) != model_cfg[k] for k in keys):
-        group = _matching_group(source.shape)
+    model = {**effective(model_cfg), "bias": model_cfg.get("bias", DEFAULTS["bias"])}
+    keys = _compared(source)
+    differ = [k for k in keys if source.shape.get(k) != model[k]]
+    if differ:
+        group = _matching_group(source.shape, keys)
         fix = f"choose model={group}" if group and group != model_cfg.name else "set " + " ".join(
-            f"model.{k}={source.shape.get(k)}" for k in keys if source.shape.get(k) != model_cfg[k])
+            f"model.{k}={_value(source.shape.get(k))}" for k in differ)
+        # the shape always, then the block keys that differ (all of them would bury the difference)
+        shown = [*SHAPE_KEYS, *(k for k in differ if k not in SHAPE_KEYS)]
+        hf_gpt2 = "bias" not in keys
         raise ConfigError(
-            f"model.init_from={spec} has {_describe(source.shape, hf, True)}, model={model_cfg.name} has "
-            f"{_describe(dict(model_cfg), hf, False)}; {fix} (the model group must describe the source)"
+            f"model.init_from={spec} has {_describe(source.shape, shown, hf_gpt2)}, model={model_cfg.name} has "
+            f"{_describe(model, shown, False)}; {fix} (the model group must describe the source)"
         )
-    if hf:
+    if source.kind == "hf":
         _check_hf_file(source, bool(model_cfg.bias))
     return source

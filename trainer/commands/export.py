@@ -1,23 +1,28 @@
-"""`dtrain export RUN_DIR [--out DIR] [--step N] [--dtype D]`: a checkpoint as a Hugging Face GPT-2.
+"""`dtrain export RUN_DIR [--out DIR] [--step N] [--dtype D]`: a checkpoint as a Hugging Face model.
 
-Writes a complete Hugging Face model folder, loadable without dtrain: `model.safetensors` (Hugging
-Face GPT2LMHeadModel names: `transformer.h.0.attn.c_attn.weight` ...), `config.json` (model_type
-gpt2), `generation_config.json` and the GPT-2 tokenizer (`vocab.json`, `merges.txt`,
-`tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks):
+Writes a complete Hugging Face model folder, loadable without dtrain: `model.safetensors`,
+`config.json`, `generation_config.json` and the GPT-2 tokenizer (`vocab.json`, `merges.txt`,
+`tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks). A
+GPT-2-shaped model becomes a GPT2LMHeadModel (`transformer.h.0.attn.c_attn.weight` ...), a
+Llama-shaped one (rmsnorm, rope, swiglu) a LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`
+...) or, with model.qk_norm, a Qwen3ForCausalLM; any other block is one error line, before
+anything is written:
 
-    from transformers import AutoTokenizer, GPT2LMHeadModel, pipeline
-    model = GPT2LMHeadModel.from_pretrained("OUT_DIR")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    model = AutoModelForCausalLM.from_pretrained("OUT_DIR")
     tokenizer = AutoTokenizer.from_pretrained("OUT_DIR")
     pipeline("text-generation", model="OUT_DIR")
 
-Names and layouts go through trainer/checkpoint/hf.py, the mapping `model.init_from` reads with:
-HF's Conv1D weights transposed, padded vocabulary rows dropped, the tied lm_head not stored
-(from_pretrained ties it to transformer.wte, as save_pretrained does). Needs the optional
+Names and layouts go through trainer/checkpoint/hf.py and hf_llama.py, the mapping
+`model.init_from` reads with: GPT-2's Conv1D weights transposed, Llama's q/k/v and gate/up split
+out of our fused matrices, padded vocabulary rows dropped, a tied lm_head not stored
+(from_pretrained ties it, as save_pretrained does). Needs the optional
 `safetensors` package (`pip install 'dtrain[export]'`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,6 +32,7 @@ import torch
 
 from trainer.args import ArgParser, non_negative_int
 from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
+from trainer.checkpoint.hf_llama import export_family
 from trainer.checkpoint.weights import model_from_run
 from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
 from trainer.io import write_atomic
@@ -45,6 +51,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     # a file at --out, a read-only folder or a full disk: one line before the weights are read
     check_writable_dir(out, out_label or f"--out {out}", OUT_FIX)
     model, cfg = model_from_run(run_dir, step=step)
+    export_family({**dataclasses.asdict(model.config), "name": cfg.model.get("name")})  # one line if none fits
     tensors = to_hf_state_dict(model, DTYPES[dtype])
     # the GPT-2 ranks are read before anything is written: without them, one line and no half folder
     tokenizer_files = hf_tokenizer_files(model.config.block_size)
