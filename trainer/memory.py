@@ -102,6 +102,7 @@ def fmt_bytes(n: float) -> str:
 BLOCK_ACT_PER_C = 20.0
 MLP_ACT_PER_HIDDEN = {"gelu": 2, "relu2": 3, "swiglu": 4}
 HEAD_ACT_PER_V = 3.0  # fp32 log-softmax, its gradient and the logits' gradient, per token x vocab
+ROOT_COPIES_TIED, ROOT_COPIES_UNTIED = 6.0, 1.5  # FSDP's root unit in flight (see estimate)
 CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker touches, allocator slack
 CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not measured here)
 
@@ -213,12 +214,16 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         p_b = g_b = shard * fp32
         largest = max(row_shard_numel(p.shape, world) for p in params)
         if world > 1:
-            # The root unit (the tied embedding, positions, final LayerNorm) is gathered at
-            # backward's start: all-gather buffer + unsharded parameters, then its unsharded
-            # gradient + reduce-scatter input (4 copies, measured); blocks one at a time + prefetch.
+            # The root unit (embedding, head, positions, final norm) is gathered at backward's
+            # start: all-gather buffer + unsharded parameters, then its unsharded gradient +
+            # reduce-scatter input; a tied embedding also sums the head's and the lookup's dense
+            # gradients there. Copies of the root measured on torch 2.13 (CPU, world 2): about 6
+            # tied, 1.5 untied (its two tables' gradients are not summed). Blocks one at a time
+            # + prefetch.
             per_block = sum(p.numel() for p in model.transformer.h[0].parameters()) if L else 0
             root = n_total - per_block * L
-            gathered = (4 * root + 2 * per_block) * (2 if act == 2 else 4)
+            copies = ROOT_COPIES_TIED if m.get("tie_embeddings", True) else ROOT_COPIES_UNTIED
+            gathered = int((copies * root + 2 * per_block) * (2 if act == 2 else 4))
     else:
         p_b = g_b = n_total * fp32
         largest = max(p.numel() for p in params)
