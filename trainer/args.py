@@ -70,3 +70,24 @@ def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]
 
     return parse
 
+
+def non_negative_float(text: str) -> float:
+    """A number, 0 or more (--temperature: 0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a number)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (0 or more)")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number above 0, at most 1 (--top-p)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a number)") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r} (above 0, at most 1)")
+    return value

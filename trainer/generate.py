@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.data.tokenizer import gpt2_encoding
+from trainer.model.decode import Sampling, generate
 
 
 @torch.no_grad()
@@ -20,16 +21,17 @@ def generate_text(
     seed: int,
     temperature: float = 1.0,
     top_k: int | None = 50,
+    top_p: float | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> str:
     """The prompt and its continuation. The same seed gives the same text; an empty prompt starts
-    from <|endoftext|>. `model` is anything with GPT.generate (a wrapped model's inference view);
-    `autocast` is the strategy's, where the model trains in mixed precision. Ids in the padded part
-    of the vocabulary (no token) are dropped from the text."""
+    from <|endoftext|>; temperature 0 is greedy. `model` is a GPT or a wrapped model's inference
+    view (its forward is GPT's), decoded with the KV cache (trainer/model/decode.py); `autocast` is
+    the strategy's, where the model trains in mixed precision. Ids in the padded part of the
+    vocabulary (no token) are dropped from the text."""
     enc = gpt2_encoding()
     ids = enc.encode_ordinary(prompt) or [enc.eot_token]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with autocast():
-        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
+        [new] = generate(model, [ids], max_new_tokens, Sampling(temperature, top_k, top_p), generator)
+    return enc.decode([t for t in ids + new if t < enc.n_vocab])

@@ -1,14 +1,14 @@
-"""`dtrain sample RUN_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]`.
+"""`dtrain sample RUN_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]`.
 
 Loads the newest checkpoint's model (or `--step N`'s) in this one process, on CUDA when there is
-one, and prints the prompt with its continuation.
+one, and prints the prompt with its continuation, decoded with the KV cache (trainer/model/decode.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.args import ArgParser, non_negative_int, positive
+from trainer.args import ArgParser, non_negative_float, non_negative_int, positive, probability
 from trainer.checkpoint.weights import model_from_run
 from trainer.errors import UserError
 from trainer.generate import generate_text
@@ -22,10 +22,12 @@ def cmd_sample(argv: list[str]) -> None:
     parser.add_argument("--prompt", metavar="TEXT", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--tokens", metavar="N", type=positive(int), default=200,
                         help="tokens to generate (default 200)")
-    parser.add_argument("--temperature", metavar="T", type=positive(float), default=1.0,
-                        help="sampling temperature (default 1)")
+    parser.add_argument("--temperature", metavar="T", type=non_negative_float, default=1.0,
+                        help="sampling temperature (0 = greedy; default 1)")
     parser.add_argument("--top-k", metavar="K", type=non_negative_int, default=50,
                         help="sample among the k likeliest (0 = all; default 50)")
+    parser.add_argument("--top-p", metavar="P", type=probability, default=1.0,
+                        help="then among the fewest whose probability reaches P (default 1: all)")
     parser.add_argument("--seed", metavar="S", type=int, default=1337, help="random seed (default 1337)")
     parser.add_argument("--step", metavar="N", type=non_negative_int,
                         help="the checkpoint at this step (default: newest)")
@@ -41,5 +43,6 @@ def cmd_sample(argv: list[str]) -> None:
         ) from None
     model, _ = model_from_run(Path(args.run_dir).expanduser(), step=args.step, device=device)
     text = generate_text(model, args.prompt, args.tokens, device=device, seed=args.seed,
-                         temperature=args.temperature, top_k=args.top_k or None)
+                         temperature=args.temperature, top_k=args.top_k or None,
+                         top_p=args.top_p)
     print(text)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from trainer.model.config import GPTConfig
+from trainer.model.kv_cache import CacheStep
 from trainer.model.layers import Block, make_norm, rotary_tables
 
 # What each parameter is to the optimizer (trainer/optim.py): Muon takes the hidden matrices.
@@ -71,20 +72,29 @@ class GPT(nn.Module):
         return rotary_tables(positions, c.head_dim, c.rope_theta) if c.pos == "rope" else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None):
+                logits_at: torch.Tensor | None = None, cache: CacheStep | None = None):
         """(logits, loss). `logits_at` (B,) without targets: only the logits of that one position of
-        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows)."""
+        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows).
+        `cache` (decoding, trainer/model/decode.py): idx fills the cache's next slots, at the
+        positions and under the mask it gives, and attends to what the cache holds."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        if cache is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        else:
+            pos = cache.positions
         x = self.transformer.wte(idx)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         rope = self.rope(pos)
-        for block in self.transformer.h:
-            if self.activation_checkpointing and self.training:
+        if rope is not None and cache is not None:  # per row (B, T, d): broadcast over the heads
+            rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
+        for i, block in enumerate(self.transformer.h):
+            if cache is not None:
+                x = block(x, rope, cache.layer(i))
+            elif self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
@@ -110,27 +120,6 @@ class GPT(nn.Module):
         if not c.tie_embeddings:
             n -= self.transformer.wte.weight.numel()
         return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = 50,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, next_id), dim=1)
-        return idx
 
 
 def build_model(model_cfg) -> GPT:

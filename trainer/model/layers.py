@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.model.config import GPTConfig
+from trainer.model.kv_cache import LayerStep
 
 # torch < 2.5 has no enable_gqa: there the shared key/value heads are repeated instead.
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -58,7 +59,9 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerStep | None = None) -> torch.Tensor:
+        """Causal attention over x; with `cache` (decoding), over the cached slots and x's."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.split_sizes, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)
@@ -70,6 +73,10 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        causal, mask = True, None
+        if cache is not None:
+            k, v = cache.store(k, v)
+            causal, mask = cache.causal, cache.mask
         grouped = self.n_kv_head != self.n_head
         if grouped and not SDPA_HAS_GQA:
             repeat = self.n_head // self.n_kv_head
@@ -78,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         # SDPA picks flash / memory-efficient kernels where the device has them.
         extra = {"enable_gqa": True} if grouped else {}
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, **extra
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, **extra
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -117,6 +124,7 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerStep | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache)
         return x + self.mlp(self.ln_2(x))
