@@ -230,7 +230,8 @@ def test_task_data_that_cannot_be_fetched_is_one_line(run_dir, tasks_dir, tmp_pa
 @pytest.mark.parametrize("args, needle", [
     (["--limit", "5"], "--limit goes with --tasks"),
     (["--tasks", ","], "--tasks names no task"),
-    (["--tasks", "x", "world=2"], "does not apply to --tasks"),
+    (["--tasks", "x", "parallel=ddp"], "does not apply to --tasks"),
+    (["--tasks", "x", "world=0"], "a number of workers"),
     (["--tasks", "x", "--step", "3", "ckpt=/x"], "not both"),
     (["--tasks", "x", "--limit", "2.5"], "a whole number"),
     (["--tasks", "x", "--include-path", "/nonexistent"], "is not a folder"),

@@ -13,13 +13,14 @@ under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval 
 rank runs this command and they join one group. Rank 0 shows a progress bar (on a terminal;
 train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json.
 
-With --tasks, EleutherAI's lm-evaluation-harness scores the checkpoint instead, in this process
+With --tasks, EleutherAI's lm-evaluation-harness scores the checkpoint instead, on 1 or N workers
 (the optional extra dtrain[harness]; trainer/commands/eval_harness.py):
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
-                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto]
+                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
+                        [world=N]
 
-and writes <RUN_DIR>/eval_harness.json.
+and writes <RUN_DIR>/eval_harness.json (with --log-samples also <RUN_DIR>/eval_samples_<task>.jsonl).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from trainer.runtime import init_runtime
 from trainer.validation import check_ranges
 
 RESULT_FILE = "eval_hellaswag.json"
-HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters")
+HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters",
+                 "log_samples")
 
 
 def cmd_eval(argv: list[str]) -> dict:
@@ -99,6 +101,8 @@ def _parser() -> ArgParser:
     harness.add_argument("--batch-size", type=positive(int), metavar="B", help="sequences per forward (default 8)")
     harness.add_argument("--step", type=non_negative_int, metavar="N", help="this checkpoint step (default: newest)")
     harness.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:N or auto (default)")
+    harness.add_argument("--log-samples", action="store_true", default=None,
+                         help="also write each request's record to <RUN_DIR>/eval_samples_<task>.jsonl")
     harness.add_argument("--bootstrap-iters", type=non_negative_int, metavar="N",
                          help="bootstrap resamples for the stderr of non-mean metrics (default 100000; 0: none)")
     return parser

@@ -1,13 +1,20 @@
 """The `--tasks` half of `dtrain eval`: a checkpoint scored by EleutherAI's lm-evaluation-harness.
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
-                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto]
+                        [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
+                        [world=N]
 
 The weights come straight from the DCP checkpoint (verified, and refused when corrupt or non-finite,
 as everywhere) into dtrain's own GPT, which trainer/evals/harness.py presents to the harness as a
 model: no Hugging Face conversion, no model download. Task data is the harness's business (it
 downloads what a task names); `--include-path` adds a folder of task YAMLs. The harness's results go
 to <RUN_DIR>/eval_harness.json (`results`, plus step, checkpoint and timing); `dtrain report` shows them.
+--log-samples also writes each request's record as the harness logs it (doc_id, resps, filtered_resps,
+...) to <RUN_DIR>/eval_samples_<task>.jsonl.
+
+world=N splits the requests over N workers started as training starts them (loopback rendezvous):
+each scores its share of the batches, every worker gets all results, rank 0 writes them; a batch is
+the same on any world size, so the metrics are world=1's.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from trainer.checkpoint.weights import (
     checkpoint_at_step,
@@ -27,12 +35,15 @@ from trainer.checkpoint.weights import (
     model_from_run,
     weights_step,
 )
-from trainer.config import from_dict
+from trainer.config import LaunchConfig, from_dict, to_dict
 from trainer.errors import ConfigError, UserError
+from trainer.evals.shards import Shards
 from trainer.io import write_atomic
+from trainer.launch import run_workers
 from trainer.model import build_model
 from trainer.results import HARNESS_FILE, harness_table, table_console
 from trainer.rundir import read_config_record
+from trainer.runtime import init_runtime
 from trainer.writable import check_writable_dir, write_errors_as_user_errors
 
 INSTALL = "pip install 'dtrain[harness]'"
@@ -45,13 +56,17 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks names no task; e.g. --tasks hellaswag,arc_easy")
-    ckpt = None
+    ckpt, world = None, 1
     for arg in overrides:
         key, value = arg.split("=", 1)
-        if key != "ckpt":
-            raise ConfigError(f"{arg!r} does not apply to --tasks (the harness runs in this one process); "
-                              "it takes ckpt=PATH besides its flags")
-        ckpt = value
+        if key == "ckpt":
+            ckpt = value
+        elif key == "world":
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"world={value}: a number of workers, 1 or more")
+            world = int(value)
+        else:
+            raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH and world=N besides its flags")
     if ckpt is not None and args.step is not None:
         raise ConfigError("give --step N or ckpt=PATH, not both")
     limit = args.limit
@@ -76,9 +91,30 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     # the task names are checked before the weights are read.
     from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
 
-    manager = harness.task_manager(args.include_path)
-    harness.check_tasks(tasks, manager)
+    harness.check_tasks(tasks, harness.task_manager(args.include_path))
+    job = {"tasks": tasks, "run_dir": str(run_dir), "weights": str(weights), "device": str(device),
+           "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
+           "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples)}
+    launch = to_dict(OmegaConf.structured(LaunchConfig))
+    return run_workers(harness_worker, (job,), launch, world, run_dir / "logs")
 
+
+def harness_worker(job: dict) -> dict:
+    """One worker of `dtrain eval --tasks` (module level: torchrun's engine spawns it): the whole
+    harness runs on every rank, the model's requests split over them; rank 0 writes and prints."""
+    launch = LaunchConfig()
+    rt = init_runtime(job["device"], False, launch.timeout_s, launch.threads_per_worker)
+    try:
+        return _score(job, rt)
+    finally:
+        rt.shutdown()
+
+
+def _score(job: dict, rt) -> dict:
+    from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
+
+    run_dir, weights = Path(job["run_dir"]), Path(job["weights"])
+    manager = harness.task_manager(job["include_path"])
     t0 = time.perf_counter()
     if weights.is_dir():
         model, cfg = model_from_run(weights)
@@ -87,9 +123,11 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
         model = build_model(cfg.model)
         load_weights(model, str(weights))
     load_s = time.perf_counter() - t0
-    lm = harness.DtrainLM(model, batch_size=batch_size, device=device)
-    results, wall = harness.evaluate(lm, tasks, manager, limit=limit, num_fewshot=args.num_fewshot,
-                                     bootstrap_iters=bootstrap_iters)
+    lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, shards=Shards(rt))
+    results, wall = harness.evaluate(lm, job["tasks"], manager, limit=job["limit"], num_fewshot=job["num_fewshot"],
+                                     bootstrap_iters=job["bootstrap_iters"], log_samples=job["log_samples"])
+    if not rt.is_main:  # the harness builds its results on (local) rank 0 only; the others return None
+        return {}
     n_requests = sum(lm.requests.values())
     record = {
         "results": results["results"],
@@ -97,16 +135,17 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
         "versions": results.get("versions") or {},
         "n-samples": results.get("n-samples") or {},
         "higher_is_better": results.get("higher_is_better") or {},
-        "tasks": tasks,
+        "tasks": job["tasks"],
         "run_dir": str(run_dir),
         "checkpoint": str(weights),
         "step": weights_step(str(weights)),
         "model": cfg.model.name,
-        "limit": limit,
-        "num_fewshot": args.num_fewshot,
-        "batch_size": batch_size,
-        "device": str(device),
-        "include_path": str(Path(args.include_path).absolute()) if args.include_path else None,
+        "limit": job["limit"],
+        "num_fewshot": job["num_fewshot"],
+        "batch_size": job["batch_size"],
+        "device": str(rt.device),
+        "world": rt.world,
+        "include_path": str(Path(job["include_path"]).absolute()) if job["include_path"] else None,
         "lm_eval_version": harness.HARNESS_VERSION,
         "requests": dict(lm.requests),
         "requests_per_s": round(n_requests / wall, 3) if wall > 0 else None,
@@ -115,11 +154,13 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     }
     path = run_dir / HARNESS_FILE
     with write_errors_as_user_errors(run_dir, "make the run directory writable"):
+        if job["log_samples"]:
+            record["samples"] = {task: str(p) for task, p in harness.write_samples(results, run_dir).items()}
         write_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
     console = table_console()
-    console.print(harness_table(record, f"lm-evaluation-harness: {', '.join(tasks)}"))
-    console.print(f"{n_requests:,} requests in {wall:.1f} s ({record['requests_per_s']}/s on {device}); "
-                  f"written to {path}", highlight=False, soft_wrap=True)
+    console.print(harness_table(record, f"lm-evaluation-harness: {', '.join(job['tasks'])}"))
+    console.print(f"{n_requests:,} requests in {wall:.1f} s ({record['requests_per_s']}/s on {rt.world} x "
+                  f"{rt.device}); written to {path}", highlight=False, soft_wrap=True)
     return record
 
 

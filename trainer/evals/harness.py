@@ -1,43 +1,53 @@
 """EleutherAI's lm-evaluation-harness on a dtrain GPT: the harness's LM interface over our model and
 tiktoken's GPT-2 encoding, so a checkpoint is scored without a Hugging Face conversion.
 
-The request handling follows the harness's own `hf` model (lm_eval/models/huggingface.py, HFLM) step
-by step, so the same weights give the same numbers through either: requests sorted longest first
-and batched by the harness's Collator (one forward for continuations that share a context),
-contexts truncated from the left to the model's block size, right padding (causal attention keeps
-it out of every scored position), log-softmax over the real vocabulary; rolling loglikelihoods in
-the harness's disjoint windows; greedy generation that stops at `until`, <|endoftext|> or
-max_gen_toks. Imports lm_eval at the top: the eval command imports this module only for --tasks.
+The request handling follows the harness's own `hf` model (lm_eval/models/huggingface.py, HFLM), so
+the same weights give the same numbers through either: requests sorted longest first and batched,
+requests with the same input sharing one forward, contexts truncated from the left to the model's
+block size, right padding (causal attention keeps it out of every scored position), log-softmax
+over the real vocabulary at the continuation's positions only; rolling loglikelihoods in the
+harness's disjoint windows; generation with the KV cache (left-padded batches), greedy unless the
+task samples, stopping at `until`, <|endoftext|> or max_gen_toks. With `shards` over N workers
+(`dtrain eval ... world=N`) each batch is scored on one of them and every worker gets all results
+(trainer/evals/shards.py). Imports lm_eval at the top: the eval command imports this module only
+for --tasks.
 """
 
 from __future__ import annotations
 
+import json
 import time
+import zlib
 from collections import Counter
+from pathlib import Path
 
 import lm_eval
 import torch
 import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager
 
 from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import ConfigError, UserError
-from trainer.io import first_line
+from trainer.evals.shards import Shards
+from trainer.io import first_line, write_atomic
+from trainer.model.decode import Sampling, generate
 
 HARNESS_VERSION = lm_eval.__version__
-
+# What generate_until understands of a task's generation_kwargs (after the harness normalized them).
+GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 
 class DtrainLM(TemplateLM):
     """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored. The
-    harness's progress-bar options (disable_tqdm) arrive in **kwargs: no bars here."""
+    harness's progress-bar options (disable_tqdm) arrive in **kwargs: no bars here. `seed` seeds
+    each sampled generation by its request, so samples do not depend on batching or world size."""
 
     backend = "causal"
 
     def __init__(self, model: torch.nn.Module, batch_size: int = 8, device: str | torch.device = "cpu",
-                 max_gen_toks: int = 256):
+                 max_gen_toks: int = 256, shards: Shards | None = None, seed: int = 1234):
         super().__init__()
         self._device = torch.device(device)
         self.model = model.to(self._device).eval()
@@ -45,6 +55,8 @@ class DtrainLM(TemplateLM):
         self.batch_size = batch_size
         self.max_length = model.config.block_size
         self.max_gen_toks = max_gen_toks
+        self.shards = shards or Shards()
+        self.seed = seed
         self.requests: Counter[str] = Counter()
 
     @property
@@ -63,43 +75,49 @@ class DtrainLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.enc.decode(tokens)
 
-    @torch.inference_mode()
-    def _log_probs(self, batch: torch.Tensor) -> torch.Tensor:
-        logits, _ = self.model(batch)  # the real vocabulary only: padded rows are cut off
-        return F.log_softmax(logits.float(), dim=-1)
+    # --------------------------------------------------------------------- loglikelihood
 
-    def _loglikelihood_tokens(self, requests, override_bs: int | None = None, **kwargs):
-        """[(logprob, is_greedy)] of (strings, context ids, continuation ids) requests (HFLM's batching)."""
+    def _loglikelihood_tokens(self, requests, **kwargs):
+        """[(logprob, is_greedy)] of (strings, context ids, continuation ids) requests: the input is
+        context + continuation minus its last token, at most max_length from the right; requests
+        with the same input share its forward (HFLM's one-token-continuation cache, for any length)."""
         self.requests["loglikelihood"] += len(requests)
+        readers: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+        for index, (_, ctx, cont) in enumerate(requests):
+            readers.setdefault(tuple((ctx + cont)[-(self.max_length + 1):][:-1]), []).append((index, cont))
+        inputs = sorted(readers, key=lambda inp: (-len(inp), inp))
+        batches = [[(list(inp), readers[inp]) for inp in inputs[i: i + self.batch_size]]
+                   for i in range(0, len(inputs), self.batch_size)]
+        res: list = [None] * len(requests)
+        for index, scored in self.shards.map(batches, self._score_batch):
+            res[index] = scored
+        for (strings, _, _), scored in zip(requests, res):
+            if strings is not None:
+                self.cache_hook.add_partial("loglikelihood", strings, scored)
+        return res
 
-        def longest_first(req):
-            toks = req[1] + req[2]
-            return -len(toks), tuple(toks)
-
-        reorder = Collator(requests, sort_fn=longest_first, group_by="contexts",
-                           group_fn=lambda req: req[-2] + req[-1][:-1])
-        res = []
-        for chunk in reorder.get_batched(n=override_bs or self.batch_size):
-            # The input is context + continuation minus its last token, at most max_length from the right.
-            inps = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
-            width = max(len(x) for x in inps)
-            batch = torch.zeros(len(inps), width, dtype=torch.long)
-            for i, inp in enumerate(inps):
-                batch[i, : len(inp)] = torch.tensor(inp, dtype=torch.long)
-            log_probs = self._log_probs(batch.to(self._device))
-            for (request, ctx, cont), inp, row in zip(chunk, inps, log_probs):
-                row = row[len(inp) - len(cont): len(inp)].unsqueeze(0)  # the continuation's positions
-                greedy = row.argmax(dim=-1)
-                # Requests whose context + continuation[:-1] is this one's share its forward.
-                for strings, cont_toks, logits in reorder.get_cache(req_str=request, cxt_toks=ctx,
-                                                                    cont_toks=cont, logits=row):
-                    target = torch.tensor(cont_toks, dtype=torch.long, device=self._device).unsqueeze(0)
-                    is_greedy = bool((greedy[:, -target.shape[1]:] == target).all())
-                    logprob = float(torch.gather(logits, 2, target.unsqueeze(-1)).sum())
-                    res.append((logprob, is_greedy))
-                    if strings is not None:
-                        self.cache_hook.add_partial("loglikelihood", strings, (logprob, is_greedy))
-        return reorder.get_original(res)
+    @torch.inference_mode()
+    def _score_batch(self, rows: list[tuple[list[int], list[tuple[int, list[int]]]]]):
+        """[(request index, (logprob, is_greedy))] for a batch of inputs, each with the requests
+        (index, continuation) read from it. Logits only at the last K positions of each row, K the
+        longest continuation: the output head and the softmax skip the context."""
+        width = max(len(inp) for inp, _ in rows)
+        k = min(width, max(len(cont) for _, readers in rows for _, cont in readers))
+        batch = torch.zeros(len(rows), width, dtype=torch.long)
+        ends = torch.tensor([len(inp) for inp, _ in rows])
+        for r, (inp, _) in enumerate(rows):
+            batch[r, : len(inp)] = torch.tensor(inp, dtype=torch.long)
+        at = (ends.unsqueeze(1) - k + torch.arange(k)).clamp(min=0)
+        logits, _ = self.model(batch.to(self._device), logits_at=at.to(self._device))
+        log_probs = F.log_softmax(logits.float(), dim=-1)  # the real vocabulary only: padded rows cut off
+        out = []
+        for (_, readers), row in zip(rows, log_probs):
+            for index, cont in readers:
+                part = row[k - len(cont):]
+                target = torch.tensor(cont, dtype=torch.long, device=self._device)
+                is_greedy = bool((part.argmax(dim=-1) == target).all())
+                out.append((index, (float(part.gather(1, target.unsqueeze(1)).sum()), is_greedy)))
+        return out
 
     def loglikelihood_rolling(self, requests, **kwargs) -> list[float]:
         """Log-likelihood of whole documents: each token predicted once, in max_length windows whose
@@ -109,13 +127,13 @@ class DtrainLM(TemplateLM):
         for (string,) in (req.args for req in requests):
             rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=EOT,
                                                          max_seq_len=self.max_length, context_len=1)
-            doc = [(None, *lm_utils.make_disjoint_window(w)) for w in rolling]
+            doc = [lm_utils.make_disjoint_window(w) for w in rolling]
             windows += doc
             counts.append(len(doc))
-        scores = []
-        for i in range(0, len(windows), self.batch_size):
-            batch = windows[i: i + self.batch_size]
-            scores += [logprob for logprob, _ in self._loglikelihood_tokens(batch, override_bs=len(batch))]
+        self.requests["loglikelihood"] += len(windows)  # each window is one, as in HFLM
+        rows = [((ctx + cont)[-(self.max_length + 1):][:-1], [(i, cont)]) for i, (ctx, cont) in enumerate(windows)]
+        batches = [rows[i: i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        scores = [scored[0] for _, scored in sorted(self.shards.map(batches, self._score_batch))]
         out, at = [], 0
         for req, n in zip(requests, counts):
             out.append(sum(scores[at: at + n]))
@@ -123,60 +141,71 @@ class DtrainLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, out[-1])
         return out
 
+    # ---------------------------------------------------------------------- generation
+
     def generate_until(self, requests, **kwargs) -> list[str]:
-        """Greedy continuations, longest context first, batched per generation settings."""
+        """Continuations batched per generation settings, longest context first."""
         self.requests["generate_until"] += len(requests)
-        reorder = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
-                           group_by="gen_kwargs", group_fn=lambda r: r[1])
-        eos = self.tok_decode([EOT])
-        res = []
-        for chunk in reorder.get_batched(n=self.batch_size):
-            contexts, all_kwargs = zip(*chunk)
-            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_gen_toks = kwargs.pop("max_gen_toks")
-            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
-                raise ConfigError(f"a task asks for sampled generation ({all_kwargs[0]}); dtrain's harness model "
-                                  "decodes greedily: choose a task that generates with do_sample: false")
-            if max_gen_toks >= self.max_length:
-                raise ConfigError(f"a task generates up to {max_gen_toks} tokens, which leaves no room for its "
-                                  f"prompt in this model's block size of {self.max_length} tokens")
-            prompts = [self.tok_encode(c)[-(self.max_length - max_gen_toks):] for c in contexts]
-            texts = self._greedy(prompts, max_gen_toks, until)
-            for context, gen_kwargs, text in zip(contexts, all_kwargs, texts):
-                text = postprocess_generated_text(text, stop=until, think_end_token=None)
-                res.append(text)
-                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        return reorder.get_original(res)
+        args = [req.args for req in requests]
+        seen: Counter[str] = Counter()
+        seeds = []
+        for context, _ in args:  # a repeated request (repeats: N) draws other samples each time
+            seeds.append((self.seed * 1_000_003 + zlib.crc32(context.encode()) * 7919 + seen[context]) % 2**62)
+            seen[context] += 1
+        groups: dict[str, list[int]] = {}
+        for i, (_, gen_kwargs) in enumerate(args):
+            groups.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
+        batches = []
+        for indices in groups.values():
+            settings = self._settings(args[indices[0]][1])
+            prompts = {i: self.tok_encode(args[i][0])[-(self.max_length - settings[1]):] for i in indices}
+            indices.sort(key=lambda i: (-len(self.tok_encode(args[i][0])), args[i][0]))
+            batches += [[(i, prompts[i], seeds[i], settings) for i in indices[j: j + self.batch_size]]
+                        for j in range(0, len(indices), self.batch_size)]
+        res: list = [None] * len(requests)
+        for index, text in self.shards.map(batches, self._generate_batch):
+            res[index] = text
+        for (context, gen_kwargs), text in zip(args, res):
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return res
+
+    def _settings(self, gen_kwargs: dict) -> tuple[list[str], int, Sampling]:
+        """(stop strings, max_gen_toks, sampling) of a task's generation_kwargs."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        unknown = sorted(set(kwargs) - GEN_KEYS)
+        if unknown:
+            raise ConfigError(f"a task's generation_kwargs has {', '.join(unknown)}, which dtrain's harness model "
+                              f"does not apply; it takes {', '.join(sorted(GEN_KEYS))}")
+        until = handle_stop_sequences(kwargs["until"], eos=self.tok_decode([EOT]))
+        max_gen_toks = kwargs["max_gen_toks"]
+        if max_gen_toks >= self.max_length:
+            raise ConfigError(f"a task generates up to {max_gen_toks} tokens, which leaves no room for its "
+                              f"prompt in this model's block size of {self.max_length} tokens")
+        sampling = Sampling()
+        if kwargs.get("do_sample"):
+            top_k = kwargs.get("top_k")
+            sampling = Sampling(float(kwargs.get("temperature") or 1.0), int(top_k) if top_k else None,
+                                kwargs.get("top_p"))
+        return until, max_gen_toks, sampling
 
     @torch.inference_mode()
-    def _greedy(self, prompts: list[list[int]], max_gen_toks: int, until: list[str]) -> list[str]:
-        """Greedy text after each prompt, all rows in one batch: right-padded, each row's next token
-        read at its own last position (causal attention keeps the padding after it out, so no mask
-        is needed) and written after it; a row stops at <|endoftext|> or once a stop string appears."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self._device)
-        rows = torch.arange(len(prompts), device=self._device)
-        buf = torch.zeros(len(prompts), int(lengths.max()) + max_gen_toks, dtype=torch.long, device=self._device)
-        for r, prompt in enumerate(prompts):
-            buf[r, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        generated: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        for _ in range(max_gen_toks):
-            logits, _ = self.model(buf[:, : int(lengths.max())], logits_at=lengths - 1)
-            next_ids = logits[:, 0].argmax(dim=-1)
-            buf[rows, lengths] = next_ids
-            lengths += 1
-            for r, token in enumerate(next_ids.tolist()):
-                if done[r]:
-                    continue
-                if token == EOT:
-                    done[r] = True
-                    continue
-                generated[r].append(token)
-                done[r] = any(stop and stop in self.tok_decode(generated[r]) for stop in until)
-            if all(done):
-                break
-        return [self.tok_decode(g) for g in generated]
+    def _generate_batch(self, rows) -> list[tuple[int, str]]:
+        """[(request index, text)] for one batch of (index, prompt ids, seed, settings): decoded
+        with the KV cache, each row stopping at <|endoftext|> or once a stop string appears, and
+        cut before the first stop string."""
+        until, max_gen_toks, sampling = rows[0][3]
+        generators = None
+        if not sampling.greedy:
+            generators = [torch.Generator(device=self._device).manual_seed(seed) for _, _, seed, _ in rows]
+
+        def stop(new: list[int]) -> bool:
+            text = self.tok_decode(new)
+            return any(s and s in text for s in until)
+
+        new = generate(self.model, [prompt for _, prompt, _, _ in rows], max_gen_toks, sampling, generators,
+                       eot=EOT, stop=stop)
+        return [(index, postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None))
+                for (index, _, _, _), tokens in zip(rows, new)]
 
 
 def task_manager(include_path: str | None) -> TaskManager:
@@ -192,14 +221,37 @@ def check_tasks(tasks: list[str], manager: TaskManager) -> None:
 
 
 def evaluate(lm: DtrainLM, tasks: list[str], manager: TaskManager, limit: float | None = None,
-             num_fewshot: int | None = None, bootstrap_iters: int = 100000) -> tuple[dict, float]:
-    """(the harness's result dict, seconds spent) for `tasks` scored with `lm`."""
+             num_fewshot: int | None = None, bootstrap_iters: int = 100000,
+             log_samples: bool = False) -> tuple[dict, float]:
+    """(the harness's result dict, seconds spent) for `tasks` scored with `lm`; with `log_samples`
+    the dict has the harness's per-request records under "samples"."""
     t0 = time.perf_counter()
     try:
         results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                          task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False)
+                                          task_manager=manager, bootstrap_iters=bootstrap_iters,
+                                          log_samples=log_samples)
     except ConnectionError as err:  # `datasets` could not fetch a task's data (no network, HF_HUB_OFFLINE=1)
         raise UserError(f"the harness could not fetch a task's data: {first_line(err)}; it downloads from the "
                         "Hugging Face Hub into ~/.cache/huggingface, so allow network access once "
                         "(or use local task YAMLs with --include-path)") from None
     return results, time.perf_counter() - t0
+
+
+def write_samples(results: dict, run_dir: Path) -> dict[str, Path]:
+    """<run_dir>/eval_samples_<task>.jsonl for each task: one line per document, the record the
+    harness's own --log_samples writes (EvaluationTracker.save_results_samples: arguments as
+    gen_args_i / arg_j, responses sanitized, target as text), so the files compare line by line."""
+    paths = {}
+    for task, samples in results.get("samples", {}).items():
+        lines = []
+        for sample in samples:
+            sample = dict(sample)
+            sample["arguments"] = {f"gen_args_{i}": {f"arg_{j}": value for j, value in enumerate(arg)}
+                                   for i, arg in enumerate(sample["arguments"])}
+            sample["resps"] = lm_utils.sanitize_list(sample["resps"])
+            sample["filtered_resps"] = lm_utils.sanitize_list(sample["filtered_resps"])
+            sample["target"] = str(sample["target"])
+            lines.append(json.dumps(sample, default=lm_utils.handle_non_serializable, ensure_ascii=False) + "\n")
+        paths[task] = run_dir / f"eval_samples_{task}.jsonl"
+        write_atomic(paths[task], "".join(lines))
+    return paths

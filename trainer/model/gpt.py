@@ -74,7 +74,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, cache: CacheStep | None = None):
         """(logits, loss). `logits_at` (B,) without targets: only the logits of that one position of
-        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows).
+        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows);
+        (B, K): those K positions of each row, (B, K, vocab) (a scored continuation's).
         `cache` (decoding, trainer/model/decode.py): idx fills the cache's next slots, at the
         positions and under the mask it gives, and attends to what the cache holds."""
         B, T = idx.shape
@@ -100,7 +101,8 @@ class GPT(nn.Module):
                 x = block(x, rope)
         x = self.transformer.ln_f(x)
         if logits_at is not None and targets is None:
-            x = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
+            rows = torch.arange(B, device=x.device)
+            x = x[rows, logits_at].unsqueeze(1) if logits_at.dim() == 1 else x[rows.unsqueeze(1), logits_at]
         logits = self.lm_head(x)
         if targets is None:
             return logits[..., : self.config.vocab_size], None
