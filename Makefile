@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 TORCH_PIN := torch==2.13.0
-EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow
+EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 

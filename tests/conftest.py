@@ -70,3 +70,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def assert_matches_one_process(want: dict[int, float], got: dict[int, float], steps: int, case: str) -> None:
+    """Every step logged, each loss within 1e-5 of the single-process reference's."""
+    assert sorted(got) == list(range(1, steps + 1))
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"

@@ -67,7 +67,7 @@ def test_zero_torch_gives_each_parameter_state_to_one_rank(data_dir, tmp_path):
     cfg = compose(["model=tiny"])
     with torch.device("meta"):
         model = GPT(GPTConfig.from_cfg(cfg.model))
-    groups = [[p.shape for p in g["params"]] for g in param_groups(model, cfg.optim.weight_decay)]
+    groups = [[p.shape for p in g["params"]] for g in param_groups(model.parameters(), cfg.optim.weight_decay)]
     largest = strategy_class("zero_torch").optimizer_state_numels(groups, 2)
     assert max(per_rank) == 2 * 4 * sum(largest)  # exp_avg + exp_avg_sq, fp32
     assert max(per_rank) > 0.9 * full_state

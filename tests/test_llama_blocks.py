@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import corpus_text, run_dtrain, tiny_args, train_losses
+from conftest import assert_matches_one_process, corpus_text, run_dtrain, tiny_args, train_losses
 from test_checkpoint import (
     kill_group,
     logged_steps,
@@ -72,10 +72,7 @@ def test_reference_learns(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_mode_matches_one_process(case, runs):
-    want, got = train_losses(runs("reference")), train_losses(runs(case))
-    assert sorted(got) == list(range(1, STEPS + 1))
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"
+    assert_matches_one_process(train_losses(runs("reference")), train_losses(runs(case)), STEPS, case)
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def test_vocab_padding_and_causality():
 
 def test_weight_decay_groups_and_schedule():
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100))
-    decay, no_decay = param_groups(model, 0.1)
+    decay, no_decay = param_groups(model.parameters(), 0.1)
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
     cfg = OmegaConf.create({"lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 10})

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_dtrain
+from conftest import dtrain_env, read_metrics, run_dtrain
 
 from trainer.results import STATUS_FILE, labels
 from trainer.sweep import SUMMARY_FILE, identity
@@ -162,14 +162,36 @@ def plugin_installed(module: str) -> bool:
         return False
 
 
+# A Python start-up hook that leaves one plugin out of the hydra_plugins namespace Hydra scans (a
+# view of its folders without that one), as on a machine where the extra is not installed.
+HIDE_PLUGIN = """
+import os
+import hydra_plugins
+view = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hydra_plugins")
+os.makedirs(view, exist_ok=True)
+for root in list(hydra_plugins.__path__):
+    for name in os.listdir(root):
+        if name != os.environ["DTRAIN_TEST_HIDE_PLUGIN"] and not os.path.lexists(os.path.join(view, name)):
+            try:
+                os.symlink(os.path.join(root, name), os.path.join(view, name))
+            except FileExistsError:  # another process of the run made it first
+                pass
+hydra_plugins.__path__ = [view]
+"""
+
+
 @pytest.mark.parametrize("override, extra, module", [
     ("hparams_search=optuna_lr", "optuna", "hydra_plugins.hydra_optuna_sweeper"),
     ("hydra/launcher=slurm", "slurm", "hydra_plugins.hydra_submitit_launcher"),
 ])
 def test_a_missing_hydra_plugin_names_the_extra_to_install(override, extra, module, tmp_path):
-    if plugin_installed(module):
-        pytest.skip(f"{module} is installed")
-    proc = run_dtrain(["train", "-m", override, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    env = dtrain_env()
+    if plugin_installed(module):  # installed here (CI installs the extras): hide it from this run
+        hide = tmp_path / "hide"
+        hide.mkdir()
+        (hide / "sitecustomize.py").write_text(HIDE_PLUGIN)
+        env.update(PYTHONPATH=str(hide), DTRAIN_TEST_HIDE_PLUGIN=module.rsplit(".", 1)[1])
+    proc = run_dtrain(["train", "-m", override, f"hydra.sweep.dir={tmp_path / 'sweep'}"], env=env)
     assert proc.returncode == 2
     assert f"pip install 'dtrain[{extra}]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert not (tmp_path / "sweep").exists()

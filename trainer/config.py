@@ -28,6 +28,9 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
 TOKENIZER_VOCAB_SIZE = 50257
 MIXED_PRECISION = ("auto", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
+MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
 # metrics.jsonl only, which is always written.
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -105,7 +108,26 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """optim=muon: torch.optim.Muon on the blocks' 2-D hidden matrices (the rest stays on AdamW,
+    with the keys of OptimConfig). Its lr follows the same warmup + cosine schedule, scaled."""
+
+    lr: float = 0.02
+    weight_decay: float = 0.0  # decoupled, times the scheduled Muon lr (as AdamW's)
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    # How the step is scaled per matrix shape: original (Keller Jordan's sqrt(max(1, rows/cols)))
+    # or match_rms_adamw (Moonshot's 0.2 x sqrt(max(rows, cols)), for AdamW-tuned learning rates).
+    adjust_lr: str = "original"
+    # Newton-Schulz in bfloat16 (torch.optim.Muon as shipped) or float32 (on CPU faster, and what
+    # lets every parallel mode match one process within 1e-5); auto: bfloat16 on CUDA, else float32.
+    ns_dtype: str = "auto"
+
+
+@dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest)
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 10
@@ -114,6 +136,7 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     fused: str = "auto"  # auto | true | false  (auto: fused on CUDA)
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass
@@ -127,7 +150,7 @@ class ParallelConfig:
 @dataclass
 class LaunchConfig:
     nnodes: int = 1
-    rdzv_endpoint: str = "localhost:0"
+    rdzv_endpoint: str = "localhost:29400"  # one node: unused (a loopback store on a free port)
     rdzv_backend: str = "c10d"
     rdzv_id: str = "dtrain"
     rdzv_timeout: int = 60

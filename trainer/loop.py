@@ -20,7 +20,7 @@ from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
 from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import lr_at, set_lr
+from trainer.optim import describe_split, lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
 from trainer.signals import at_step_boundary
@@ -192,7 +192,8 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
         n_params = run.strategy.unwrap(run.model).num_params()
         view.print(
             f"[bold]dtrain[/] model={cfg.model.name} ({n_params / 1e6:.2f}M params) "
-            f"parallel={run.strategy.describe()} world={rt.world} device={rt.device} | "
+            f"parallel={run.strategy.describe()} world={rt.world} device={rt.device} "
+            f"{describe_split(run.strategy.unwrap(run.model), cfg.optim)} | "
             f"global batch {run.plan.total_batch_size:,} tokens = {t.micro_batch_size} x {t.seq_len} x "
             f"{rt.world} ranks x {run.plan.grad_accum_steps} accum | run dir {run_dir}"
             + (f" | resumed at step {start_step}" if start_step else "")

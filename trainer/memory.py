@@ -29,7 +29,7 @@ import torch
 
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
-from trainer.optim import param_groups
+from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import row_shard_numel
 
@@ -204,10 +204,20 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
 
     # --- model state per rank -------------------------------------------------------------------
     # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
-    # counter per tensor.
-    groups = [[p.shape for p in group["params"]] for group in param_groups(model, cfg.optim.weight_decay)]
+    # counter per tensor; with optim=muon the hidden matrices instead keep Muon's one momentum
+    # buffer each (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
+    muon, adamw = split_params(model, cfg.optim)
+    groups = [[p.shape for p in group["params"]]
+              for group in param_groups((p for _, p in adamw), cfg.optim.weight_decay)]
     held = strategy.optimizer_state_numels(groups, world)
     o_b = 2 * sum(held) * fp32 + 4 * len(held)
+    muon_buffers = 0
+    if muon:
+        kept, muon_buffers = strategy.muon_numels([p.shape for _, p in muon], world)
+        # Newton-Schulz's float32 temporaries: the update, its transpose, two Gram products.
+        largest_muon = max(p.numel() for _, p in muon)
+        muon_buffers += 3 * largest_muon + 2 * max(min(p.shape) ** 2 for _, p in muon)
+        o_b += kept * fp32
     gathered = 0
     if strategy.shards_parameters:
         shard = sum(row_shard_numel(p.shape, world) for p in params)
@@ -227,7 +237,8 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     else:
         p_b = g_b = n_total * fp32
         largest = max(p.numel() for p in params)
-    temporaries = 2 * largest * fp32  # AdamW's sqrt(v) and its scaled copy, one tensor at a time
+    # AdamW's sqrt(v) and its scaled copy, one tensor at a time; or Muon's step (they run in turn)
+    temporaries = max(2 * largest, muon_buffers) * fp32
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
                     strategy.keeps_gradient_buckets)

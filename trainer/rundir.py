@@ -20,6 +20,7 @@ from typing import Any
 
 from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
+from trainer.config_keys import is_operational
 from trainer.env import restart_count
 from trainer.errors import UserError
 from trainer.io import dotted_keys, one_line, write_atomic
@@ -27,11 +28,6 @@ from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.writable import check_writable_dir
 
 CONFIG_RECORD = "resolved_config.json"
-# Settings that say how a run is launched, not what it trains: a continuation may change them
-# (resuming at another world size or in another mode reshards the checkpoint; `logger` only says
-# which trackers see the metrics).
-HOW_LAUNCHED = ("launch.", "world", "parallel.", "resume", "train.progress", "train.device",
-                "checkpoint.async_save", "sweep.", "logger")
 
 
 class RunDirState(enum.Enum):
@@ -80,22 +76,25 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
 
 
 def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
+    """Refuse a changed trajectory key (trainer/config_keys.py); operational keys may change. A
+    key in neither table (a record from another version) counts as trajectory."""
     was, now = dotted_keys(recorded), dotted_keys(config)
+    on_purpose = f"resume={run_dir} continues its newest checkpoint with the new settings on purpose"
     steps_key = "train.max_steps"
     if was.get(steps_key) != now.get(steps_key):
         raise UserError(
             f"run directory {run_dir} holds a run with train.max_steps={was.get(steps_key)}, not "
             f"{now.get(steps_key)}: its learning-rate schedule depends on it; repeat "
-            f"train.max_steps={was.get(steps_key)} to continue it, or choose another hydra.run.dir="
+            f"train.max_steps={was.get(steps_key)} to continue it, {on_purpose}, or choose another hydra.run.dir="
         )
-    differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not k.startswith(HOW_LAUNCHED)]
+    differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not is_operational(k)]
     if differ:
         shown = ", ".join(f"{k}={_short(was.get(k))} there vs {_short(now.get(k))}" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise UserError(
-            f"run directory {run_dir} already holds another run's outputs ({shown}{more}); "
-            f"repeat that run's settings ({run_dir / CONFIG_RECORD}) to continue it, or choose another "
-            "hydra.run.dir="
+            f"run directory {run_dir} already holds another run's outputs ({shown}{more}: settings that change "
+            f"what it learns); repeat them ({run_dir / CONFIG_RECORD}) to continue it, {on_purpose}, or choose "
+            "another hydra.run.dir="
         )
 
 
@@ -148,7 +147,8 @@ def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
     was, now = dotted_keys(previous), dotted_keys(cfg_dict)
     changed = [f"{k} {_short(was.get(k))} -> {_short(now.get(k))}" for k in sorted(set(was) | set(now))
                if was.get(k) != now.get(k)]
-    return f"continuing the run in {run_dir}, launched differently: {', '.join(changed)} ({CONFIG_RECORD} updated)"
+    return (f"continuing the run in {run_dir} with changed settings: {', '.join(changed)} "
+            f"({CONFIG_RECORD} updated)")
 
 
 def _new_file_mode() -> int:

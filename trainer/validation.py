@@ -11,8 +11,11 @@ from trainer.config import (
     LOGGERS,
     MIXED_PRECISION,
     MLPS,
+    MUON_ADJUST_LR,
+    MUON_NS_DTYPES,
     NORMS,
     ON_NONFINITE,
+    OPTIMIZERS,
     PARALLEL_MODES,
     POSITIONS,
     TOKENIZER_VOCAB_SIZE,
@@ -63,6 +66,10 @@ RANGES = {
     "optim.weight_decay": _at_least(0),
     "optim.eps": _positive(),
     "optim.grad_clip": _at_least(0),  # 0 = no clipping
+    "optim.muon.lr": _positive(),
+    "optim.muon.weight_decay": _at_least(0),
+    "optim.muon.momentum": _fraction(),
+    "optim.muon.ns_steps": _at_least(1),
     "parallel.bucket_cap_mb": _positive(),
     "launch.nnodes": _at_least(1),
     "launch.rdzv_timeout": _at_least(1),
@@ -158,8 +165,14 @@ def validate(cfg: DictConfig) -> None:
         fix = (f"the positions of model.init_from={m.init_from} end there, so lower train.seq_len" if m.init_from
                else "lower train.seq_len or raise model.block_size")
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; {fix}")
-    if not 0 < o.min_lr <= o.lr:
-        raise ConfigError(f"optim.min_lr={o.min_lr} must be in (0, optim.lr={o.lr}]")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}] (0: cosine to zero)")
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)} (optim=NAME sets it)")
+    if o.muon.adjust_lr not in MUON_ADJUST_LR:
+        raise ConfigError(f"optim.muon.adjust_lr={o.muon.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)}")
+    if o.muon.ns_dtype not in MUON_NS_DTYPES:
+        raise ConfigError(f"optim.muon.ns_dtype={o.muon.ns_dtype!r} must be one of {', '.join(MUON_NS_DTYPES)}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
     if o.fused not in ("auto", "true", "false"):
@@ -175,6 +188,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.resume not in ("auto", "never") and not cfg.resume:
         raise ConfigError("resume= must be auto, never or a checkpoint path")
     check_logger(cfg.logger)
+    check_endpoint(cfg.launch.rdzv_endpoint)
     batch_plan(cfg, requested_world(cfg))
 
 
@@ -209,3 +223,17 @@ def check_logger(logger) -> None:
             f"logger={shown}: {unknown[0]!r} is unknown; choose from {', '.join(LOGGERS)}, "
             "one name or a list (logger=[tensorboard,wandb])"
         )
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"logger=[{','.join(str(n) for n in logger)}] names {twice} twice; list each tracker once")
+
+
+def check_endpoint(endpoint: str) -> None:
+    """launch.rdzv_endpoint is HOST or HOST:PORT with a port in 1-65535 (on any node count: one
+    node does not use it, but a typo there is still a typo)."""
+    host, colon, port = str(endpoint).rpartition(":")
+    if not colon:
+        return  # HOST alone: the c10d default port
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"launch.rdzv_endpoint={endpoint}: the port must be a number in 1-65535; "
+                          "give HOST:PORT, e.g. launch.rdzv_endpoint=node0:29400")

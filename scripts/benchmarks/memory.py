@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.optim import parts
+
 
 def _status_kib() -> dict[str, int]:
     out = {}
@@ -67,9 +69,12 @@ def optimizer_state_entries(optimizer) -> list[dict]:
     """The per-parameter state this rank's optimizer holds, read the same way for every mode: its
     own `state`, and that of an optimizer it wraps (`.optim`): a ZeRO optimizer runs a local
     optimizer over this rank's part, and torch's ZeroRedundancyOptimizer keeps the state there
-    only. An entry reachable both ways counts once."""
+    only; optim=muon's optimizers are several (`parts`), the sharded modes' Muon keeps its state in
+    `inner`. An entry reachable both ways counts once."""
     entries, seen = [], set()
-    for holder in (optimizer, getattr(optimizer, "optim", None)):
+    holders = [holder for part in parts(optimizer)
+               for holder in (part, getattr(part, "optim", None), getattr(part, "inner", None))]
+    for holder in holders:
         for entry in getattr(holder, "state", {}).values():
             if id(entry) not in seen:
                 seen.add(id(entry))

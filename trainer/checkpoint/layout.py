@@ -122,6 +122,11 @@ def resolve_checkpoint(spec: str | Path) -> Path:
             f"{path} holds no complete checkpoint; pass a run directory with checkpoints/step_*, "
             "or one of those step_* folders"
         )
+    if path.exists():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint; pass a run directory with checkpoints/step_*, "
+            "or one of those step_* folders"
+        )
     raise CheckpointError(
         f"checkpoint {path} does not exist; pass a run directory with checkpoints/step_*, "
         "or one of those step_* folders"

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.errors import ConfigError
 from trainer.model import GPT
-from trainer.optim import build_adamw
+from trainer.optim import build_optimizer, parts
 from trainer.runtime import Runtime
 
 
@@ -42,6 +42,12 @@ class Strategy:
         ranks, for parameters of these shapes in parameter groups as trainer.optim.param_groups
         makes them (a partition by whole parameters depends on the groups and sizes)."""
         return [math.prod(shape) for group in groups for shape in group]
+
+    @classmethod
+    def muon_numels(cls, shapes: list[torch.Size], world: int) -> tuple[int, int]:
+        """(elements of Muon state the busiest rank keeps, elements of buffers its step adds) for
+        optim=muon's hidden matrices of these shapes: here every rank steps every whole matrix."""
+        return sum(math.prod(shape) for shape in shapes), 0
 
     @classmethod
     def parameter_compute_dtype(cls, parallel_cfg, device_type: str) -> torch.dtype | None:
@@ -94,7 +100,7 @@ class Strategy:
         return model
 
     def build_optimizer(self, model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-        return build_adamw(model, optim_cfg, self.rt.device)
+        return build_optimizer(self.unwrap(model), optim_cfg, self.rt.device)
 
     # --- one optimizer step ----------------------------------------------------------------
     def micro_step(self, model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
@@ -127,7 +133,8 @@ class Strategy:
     # --- checkpoint state (saved and loaded with torch.distributed.checkpoint) ----------------
     # Model state: {parameter name: tensor} with GPT's names, full or sharded (DTensor) as this
     # mode holds it; a tied alias (lm_head.weight = transformer.wte.weight) appears once.
-    # Optimizer state: {parameter name: {"step", "exp_avg", "exp_avg_sq": tensor}}, keyed by name
+    # Optimizer state: {parameter name: {"step", "exp_avg", "exp_avg_sq": tensor}} (AdamW's) or
+    # {parameter name: {"momentum_buffer": tensor}} (Muon's, optim=muon's hidden matrices), keyed by name
     # so it reshards across world sizes and modes. Hyperparameters come from the config.
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         raw = self.unwrap(model)
@@ -144,7 +151,7 @@ class Strategy:
         set_model_state_dict(raw, full)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return get_optimizer_state_dict(self.unwrap(model), optimizer)["state"]
+        return get_optimizer_state_dict(self.unwrap(model), parts(optimizer))["state"]
 
     def optimizer_state_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Tensors of the right shapes (and sharding) for a checkpoint's optimizer state to load
@@ -155,9 +162,22 @@ class Strategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
         raw = self.unwrap(model)
-        full = get_optimizer_state_dict(raw, optimizer)  # this run's param groups and hyperparameters
+        full = get_optimizer_state_dict(raw, parts(optimizer))  # this run's param groups and hyperparameters
         full["state"] = state
-        set_optimizer_state_dict(raw, optimizer, full)
+        set_optimizer_state_dict(raw, parts(optimizer), full)
+
+
+def load_indexed_state(optimizer: torch.optim.Optimizer, indexed: dict[int, dict]) -> None:
+    """optimizer.load_state_dict of per-parameter state by position (the optimizer's own order),
+    under its current parameter groups and hyperparameters. torch casts "step" and the buffers to
+    each parameter's device and dtype."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + count))})
+        start += count
+    optimizer.load_state_dict({"state": indexed, "param_groups": groups})
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -178,6 +198,14 @@ def row_shard_numel(shape: torch.Size, world: int) -> int:
     if len(shape) == 0:
         return 1
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's rows of a `rows`-row tensor, split as torch.chunk and DTensor's Shard(0) split it:
+    chunks of ceil(rows / world), the last ranks' shorter or empty."""
+    chunk = math.ceil(rows / world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
 
 
 def compute_dtype(spec: str, device: torch.device) -> torch.dtype:

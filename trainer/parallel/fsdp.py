@@ -10,7 +10,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
+from trainer.optim import Optimizers, adamw_kwargs, param_groups, parts, split_params
 from trainer.parallel.base import Strategy, row_shard_numel
+from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
 
 
 class FSDPStrategy(Strategy):
@@ -24,6 +26,14 @@ class FSDPStrategy(Strategy):
     def optimizer_state_numels(cls, groups, world):
         # The state follows the parameter shards: rank 0 holds the longest row chunk of each.
         return [row_shard_numel(shape, world) for group in groups for shape in group]
+
+    @classmethod
+    def muon_numels(cls, shapes, world):
+        # The busiest owner's whole momenta and zeroed work copies; at the step its matrices'
+        # whole gradients, and the all_to_all buffers (its rows out, its matrices' rows in).
+        owned = busiest_owner_numel(shapes, world)
+        rows = sum(row_shard_numel(shape, world) for shape in shapes)
+        return 2 * owned, owned + rows + owned
 
     @classmethod
     def parameter_compute_dtype(cls, parallel_cfg, device_type):
@@ -70,3 +80,36 @@ class FSDPStrategy(Strategy):
         norm = super().clip_grad_norm(model, max_norm)
         # Sharded gradients give a DTensor norm; its full value is the true global norm.
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def build_optimizer(self, model, optim_cfg):
+        muon, adamw = split_params(model, optim_cfg)
+        inner = torch.optim.AdamW(param_groups((p for _, p in adamw), optim_cfg.weight_decay),
+                                  **adamw_kwargs(optim_cfg, self.rt.device))
+        if not muon:
+            return inner
+        # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
+        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=True), inner])
+
+    # --- checkpoint state: AdamW's through DCP (DTensor shards), Muon's whole by owner ---------
+    @staticmethod
+    def _split(optimizer) -> tuple[torch.optim.Optimizer, OwnedMuon | None]:
+        found = parts(optimizer)
+        muon = next((p for p in found if isinstance(p, OwnedMuon)), None)
+        return next(p for p in found if p is not muon), muon
+
+    def optimizer_state_dict(self, model, optimizer):
+        adamw, muon = self._split(optimizer)
+        state = super().optimizer_state_dict(model, adamw)
+        return {**state, **muon.state_dict_by_name()} if muon else state
+
+    def optimizer_state_template(self, model, optimizer):
+        adamw, muon = self._split(optimizer)
+        template = super().optimizer_state_template(model, adamw)
+        return {**template, **muon.state_template()} if muon else template
+
+    def load_optimizer_state_dict(self, model, optimizer, state):
+        adamw, muon = self._split(optimizer)
+        if muon:
+            muon.load_state_by_name(state)
+            state = {name: entry for name, entry in state.items() if name not in muon.names}
+        super().load_optimizer_state_dict(model, adamw, state)

@@ -11,25 +11,16 @@ one broadcast per parameter.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.optim import adamw_kwargs, param_groups
-from trainer.parallel.base import row_shard_numel
+from trainer.optim import Optimizers, adamw_kwargs, param_groups, parts, split_params
+from trainer.parallel.base import load_indexed_state, row_range, row_shard_numel
 from trainer.parallel.ddp import DDPStrategy
-
-
-def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank's rows of a `rows`-row tensor, split as torch.chunk and DTensor's Shard(0) split it:
-    chunks of ceil(rows / world), the last ranks' shorter or empty."""
-    chunk = math.ceil(rows / world)
-    start = min(rank * chunk, rows)
-    return start, min(start + chunk, rows)
+from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
 
 
 class ZeroOptimizer:
@@ -151,36 +142,55 @@ class ZeroStrategy(DDPStrategy):
         # Rank 0 holds the first, longest row chunk of every parameter.
         return [row_shard_numel(shape, world) for group in groups for shape in group]
 
+    @classmethod
+    def muon_numels(cls, shapes, world):
+        # The busiest owner's whole momenta; the all-gather's send buffer and its world-wide result.
+        owned = busiest_owner_numel(shapes, world)
+        return owned, (world + 1) * owned
+
     def build_optimizer(self, model, optim_cfg):
         raw = self.unwrap(model)
         element = next(raw.parameters()).element_size()
         # The checkpoint's DTensors live on this mesh; made here, where every rank passes in step.
         self._device_mesh = init_device_mesh(self.rt.device.type, (self.rt.world,))
-        return ZeroOptimizer(
-            param_groups(raw, optim_cfg.weight_decay),
+        muon, adamw = split_params(raw, optim_cfg)
+        zero = ZeroOptimizer(
+            param_groups((p for _, p in adamw), optim_cfg.weight_decay),
             torch.optim.AdamW,
             rank=self.rt.rank,
             world=self.rt.world,
             bucket_numel=max(1, int(self.cfg.bucket_cap_mb * 2**20 / element)),
             **adamw_kwargs(optim_cfg, self.rt.device),
         )
+        if not muon:
+            return zero
+        # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
+        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=False), zero])
+
+    @staticmethod
+    def _split(optimizer) -> tuple[ZeroOptimizer, OwnedMuon | None]:
+        found = parts(optimizer)
+        zero = next(p for p in found if isinstance(p, ZeroOptimizer))
+        return zero, next((p for p in found if isinstance(p, OwnedMuon)), None)
 
     # --- checkpoint state ------------------------------------------------------------------
-    # The state of each parameter is a DTensor sharded by rows over all ranks (the same layout as
-    # FSDP's), under the parameter's name: DCP writes each rank's rows once and reads them back at
-    # any world size and into any mode.
-    def _named_pairs(self, model, optimizer):
+    # AdamW's state of each parameter is a DTensor sharded by rows over all ranks (the same
+    # layout as FSDP's), under the parameter's name: DCP writes each rank's rows once and reads
+    # them back at any world size and into any mode. Muon's momentum (optim=muon) is whole, by
+    # name, from its owner (trainer/parallel/muon.py).
+    def _named_pairs(self, model, zero: ZeroOptimizer):
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
-        return [(names[id(p)], p, shard) for p, shard in zip(optimizer.params, optimizer.shards)]
+        return [(names[id(p)], p, shard) for p, shard in zip(zero.params, zero.shards)]
 
     def _sharded(self, local: torch.Tensor, param: nn.Parameter) -> DTensor:
         return DTensor.from_local(local, self._device_mesh, [Shard(0)], run_check=False,
                                   shape=param.shape, stride=param.stride())
 
     def optimizer_state_dict(self, model, optimizer):
-        state = {}
-        for name, param, shard in self._named_pairs(model, optimizer):
-            entry = optimizer.state.get(shard)
+        zero, muon = self._split(optimizer)
+        state = muon.state_dict_by_name() if muon else {}
+        for name, param, shard in self._named_pairs(model, zero):
+            entry = zero.state.get(shard)
             if entry:
                 state[name] = {
                     "step": entry["step"],
@@ -190,28 +200,24 @@ class ZeroStrategy(DDPStrategy):
         return state
 
     def optimizer_state_template(self, model, optimizer):
-        # AdamW's state (the only optimizer dtrain builds) for every parameter, this rank's rows.
-        return {
-            name: {
+        zero, muon = self._split(optimizer)
+        template = muon.state_template() if muon else {}
+        for name, param, shard in self._named_pairs(model, zero):  # AdamW's state, this rank's rows
+            template[name] = {
                 "step": torch.zeros((), dtype=torch.float32),
                 "exp_avg": self._sharded(torch.zeros_like(shard.detach()), param),
                 "exp_avg_sq": self._sharded(torch.zeros_like(shard.detach()), param),
             }
-            for name, param, shard in self._named_pairs(model, optimizer)
-        }
+        return template
 
     def load_optimizer_state_dict(self, model, optimizer, state):
+        zero, muon = self._split(optimizer)
+        if muon:
+            muon.load_state_by_name(state)
         indexed = {}
-        for i, (name, _, _) in enumerate(self._named_pairs(model, optimizer)):
+        for i, (name, _, _) in enumerate(self._named_pairs(model, zero)):
             if name in state:
                 entry = state[name]
                 indexed[i] = {key: value.to_local() if isinstance(value, DTensor) else value
                               for key, value in entry.items()}
-        groups, start = [], 0
-        for group in optimizer.param_groups:
-            count = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(start, start + count))})
-            start += count
-        # torch's load_state_dict casts "step" and the moments to each shard's device and dtype.
-        optimizer.optim.load_state_dict({"state": indexed, "param_groups": groups})
+        load_indexed_state(zero.optim, indexed)

@@ -23,7 +23,18 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from trainer.optim import adamw_kwargs, param_groups
+from trainer.optim import (
+    STATE_KEYS,
+    Optimizers,
+    adamw_kwargs,
+    muon_class,
+    muon_group,
+    muon_kwargs,
+    param_groups,
+    parts,
+    split_params,
+)
+from trainer.parallel.base import load_indexed_state
 from trainer.parallel.ddp import DDPStrategy
 
 
@@ -44,42 +55,50 @@ class ZeroTorchStrategy(DDPStrategy):
                 sizes[rank] += numel
         return max(held, key=sum)
 
+    @classmethod
+    def muon_numels(cls, shapes, world):
+        # Muon's own ZeroRedundancyOptimizer partitions the matrices as AdamW's does its group.
+        return sum(cls.optimizer_state_numels([shapes], world)), 0
+
     def build_optimizer(self, model, optim_cfg):
-        return ZeroRedundancyOptimizer(
-            param_groups(self.unwrap(model), optim_cfg.weight_decay),
+        muon, adamw = split_params(self.unwrap(model), optim_cfg)
+        inner = ZeroRedundancyOptimizer(
+            param_groups((p for _, p in adamw), optim_cfg.weight_decay),
             optimizer_class=torch.optim.AdamW,
             **adamw_kwargs(optim_cfg, self.rt.device),
         )
+        if not muon:
+            return inner
+        # optim=muon: ZeroRedundancyOptimizer partitions whole parameters, so each rank's stock Muon
+        # sees whole matrices (and broadcasts them after its step, as for AdamW).
+        return Optimizers([ZeroRedundancyOptimizer([muon_group([p for _, p in muon], optim_cfg)],
+                                                   optimizer_class=muon_class(optim_cfg, self.rt.device),
+                                                   **muon_kwargs(optim_cfg)),
+                           inner])
 
     # --- checkpoint state: this rank's parameters, whole, by name -----------------------------
-    def _owned(self, model, optimizer: ZeroRedundancyOptimizer) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) for the parameters this rank's local AdamW updates, in its order."""
+    def _owned(self, model, optimizer) -> list[tuple[str, torch.nn.Parameter, torch.optim.Optimizer]]:
+        """(name, parameter, local optimizer) for the parameters this rank's local AdamW / Muon
+        updates, in their order."""
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
-        return [(names[id(p)], p) for group in optimizer.optim.param_groups for p in group["params"]]
+        return [(names[id(p)], p, zero.optim) for zero in parts(optimizer)
+                for group in zero.optim.param_groups for p in group["params"]]
 
     def optimizer_state_dict(self, model, optimizer):
-        local = optimizer.optim.state
-        return {name: dict(local[p]) for name, p in self._owned(model, optimizer) if local.get(p)}
+        return {name: dict(local.state[p]) for name, p, local in self._owned(model, optimizer) if local.state.get(p)}
 
     def optimizer_state_template(self, model, optimizer):
-        # AdamW's state (the only optimizer dtrain builds) for the parameters this rank owns.
-        return {
-            name: {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(param.detach()),
-                "exp_avg_sq": torch.zeros_like(param.detach()),
-            }
-            for name, param in self._owned(model, optimizer)
-        }
+        # The state the local optimizer (AdamW or Muon) keeps, for the parameters this rank owns.
+        template = {}
+        for name, param, local in self._owned(model, optimizer):
+            keys = STATE_KEYS[type(local).__name__]
+            template[name] = {key: torch.zeros((), dtype=torch.float32) if key == "step"
+                              else torch.zeros_like(param.detach()) for key in keys}
+        return template
 
     def load_optimizer_state_dict(self, model, optimizer, state):
-        local = optimizer.optim
-        indexed = {i: state[name] for i, (name, _) in enumerate(self._owned(model, optimizer)) if name in state}
-        groups, start = [], 0
-        for group in local.param_groups:
-            count = len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(start, start + count))})
-            start += count
-        # torch's load_state_dict casts "step" and the moments to each parameter's device and dtype.
-        local.load_state_dict({"state": indexed, "param_groups": groups})
+        owned = self._owned(model, optimizer)
+        for zero in parts(optimizer):
+            local = zero.optim
+            mine = [name for name, _, opt in owned if opt is local]
+            load_indexed_state(local, {i: state[name] for i, name in enumerate(mine) if name in state})

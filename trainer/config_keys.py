@@ -1,0 +1,54 @@
+"""Every config key is one of two kinds, for a run directory's command run again (trainer/rundir.py):
+
+- trajectory keys decide what the model learns: the model, the data, the optimizer and its
+  schedule (max_steps included), the seed, the batch arithmetic, the dtype, the non-finite policy.
+  A continuation with one of them changed would not be the run the directory holds, so it is one
+  `error:` line (`resume=PATH` continues a checkpoint with new settings on purpose).
+- operational keys say how the run is launched, watched and saved: world size and mode, launch
+  settings, how often it logs, evaluates, samples and checkpoints, how many checkpoints it keeps,
+  trackers, progress bars. The same command with them changed continues the run (the record is
+  rewritten with a line saying what changed); the losses are those of an uninterrupted run.
+
+An entry ending in "." covers a whole section. tests/test_rundir.py fails when a key of the
+schema is in neither table (or in both). Torch-free, like the schema.
+"""
+
+from __future__ import annotations
+
+TRAJECTORY = (
+    "model.",
+    "data.name", "data.dir", "data.source", "data.sha256", "data.val_fraction", "data.shard_tokens",
+    "data.hf_path", "data.hf_name", "data.hf_split", "data.max_tokens",
+    "optim.",
+    "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
+    "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
+)
+
+OPERATIONAL = (
+    # launched: any world size and mode reshard the checkpoint; compile and activation
+    # checkpointing change how the same steps run, not which
+    "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
+    "train.activation_checkpointing",
+    # watched
+    "train.log_interval", "train.eval_interval", "train.eval_batches", "train.progress",
+    "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
+    # saved, and how data is checked or prepared
+    "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
+)
+
+
+def _matches(key: str, entries: tuple[str, ...]) -> bool:
+    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
+
+
+def key_kind(key: str) -> str | None:
+    """"trajectory", "operational", or None for a key in neither table (a dotted config key)."""
+    if _matches(key, TRAJECTORY):
+        return "trajectory"
+    if _matches(key, OPERATIONAL):
+        return "operational"
+    return None
+
+
+def is_operational(key: str) -> bool:
+    return key_kind(key) == "operational"

@@ -1,0 +1,214 @@
+"""optim=muon where the optimizer state is sharded (parallel=zero and parallel=fsdp): whole
+matrices for Newton-Schulz, each on one owner rank.
+
+Muon's step orthogonalizes the momentum of a whole matrix, so the row slices that ZeRO and FSDP
+hand each rank are not enough. Every hidden matrix gets one owner rank (largest first, each to the
+rank with the fewest elements so far: balanced by size, the same on every rank), which keeps the
+matrix's momentum whole and runs torch.optim.Muon's step on it (trainer/optim.py's Float32Muon
+where Newton-Schulz runs in float32):
+
+- zero (replicas; DDP has all-reduced the gradients): the owner steps the model's own parameter,
+  then every rank's updated matrices reach every rank in one all-gather (padded to the busiest
+  rank's share). Per rank and step: receive the (W-1)/W of the hidden matrices it does not own,
+  as zero's AdamW rows cost.
+- fsdp (DTensor row shards of parameters and gradients): each rank sends its rows of a matrix's
+  gradient to the owner (one all_to_all for all matrices), the owner assembles the whole gradient
+  and runs Muon on a zeroed copy of the matrix with no decay, which leaves exactly the update
+  (-adjusted lr x the orthogonalized momentum); each rank gets back its rows of the update (a
+  second all_to_all) and applies the decoupled weight decay and the update to its shard. Per rank
+  and step: about 2 x (W-1)/W^2 of the hidden matrices out and in, against FSDP's own (W-1)/W per
+  all-gather, and no full parameter is ever gathered.
+
+The orthogonalization is torch's own code in both; only which rank computes it changes, so the
+numbers are those of one process (tests/test_muon.py, within 1e-5). Checkpoints hold each matrix's
+momentum whole under its parameter name, written by its owner, which is also how the stock Muon of
+none / ddp holds it: DCP moves it to any world size and mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from trainer.optim import muon_class, muon_group, muon_kwargs
+from trainer.parallel.base import load_indexed_state, row_range
+
+
+def assign_owners(numels: list[int], world: int) -> list[int]:
+    """Owner rank of each matrix: largest first to the least-loaded rank (the first on a tie)."""
+    owners, load = [0] * len(numels), [0] * world
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):  # stable: names order on ties
+        rank = load.index(min(load))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
+def busiest_owner_numel(shapes: list, world: int) -> int:
+    """Elements of the matrices the busiest owner rank holds whole (the memory plan's)."""
+    numels = [math.prod(shape) for shape in shapes]
+    owners = assign_owners(numels, world)
+    return max(sum(n for n, o in zip(numels, owners) if o == rank) for rank in range(world))
+
+
+class OwnedMuon:
+    """torch.optim.Muon over matrices spread by owner. `named` are the (name, parameter) hidden
+    matrices in model order; `sharded` says whether each rank holds only rows of them (FSDP's
+    DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
+    learning rate reaches ranks that own nothing too."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool):
+        self.rank, self.world, self.sharded = rank, world, sharded
+        self.names = [name for name, _ in named]
+        self.params = [param for _, param in named]
+        self.shapes = [tuple(param.shape) for param in self.params]
+        self.owners = assign_owners([param.numel() for param in self.params], world)
+        self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
+        self.weight_decay = optim_cfg.muon.weight_decay
+        kwargs = muon_kwargs(optim_cfg)
+        if sharded:
+            # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
+            self.work = [nn.Parameter(torch.zeros(self.shapes[i], dtype=self._local(i).dtype,
+                                                  device=self._local(i).device)) for i in self.mine]
+            kwargs["weight_decay"] = 0.0
+        else:
+            self.work = [self.params[i] for i in self.mine]
+        group = muon_group(self.work, optim_cfg)
+        optimizer_class = muon_class(optim_cfg, self._local(0).device)
+        self.inner = optimizer_class([group], **kwargs) if self.work else None
+        self._idle_group = {**group, **kwargs}  # the lr's holder on a rank that owns no matrix
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # The inner optimizer's own (live: load_state_dict replaces its group objects).
+        return self.inner.param_groups if self.inner else [self._idle_group]
+
+    @property
+    def group(self) -> dict:
+        return self.param_groups[0]
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner else {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            param.grad = None
+        for work in self.work if self.sharded else []:
+            work.grad = None
+
+    def _local(self, i: int) -> torch.Tensor:
+        param = self.params[i]
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    def _rows(self, i: int, rank: int) -> slice:
+        return slice(*row_range(self.shapes[i][0], rank, self.world))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.sharded:
+            self._step_sharded()
+        else:
+            if self.inner:
+                self.inner.step()
+            self._all_gather_owned()
+
+    # --- zero: whole replicas ------------------------------------------------------------------
+    def _all_gather_owned(self) -> None:
+        if self.world == 1:
+            return
+        owned = [[i for i, o in enumerate(self.owners) if o == r] for r in range(self.world)]
+        width = max(sum(self.params[i].numel() for i in idx) for idx in owned)
+        send = torch.zeros(width, dtype=self.params[0].dtype, device=self.params[0].device)
+        offset = 0
+        for i in owned[self.rank]:
+            n = self.params[i].numel()
+            send[offset: offset + n] = self.params[i].detach().reshape(-1)
+            offset += n
+        gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
+        dist.all_gather_single(gathered, send)
+        gathered = gathered.view(self.world, width)
+        for r, idx in enumerate(owned):
+            if r == self.rank:
+                continue
+            offset = 0
+            for i in idx:
+                n = self.params[i].numel()
+                self.params[i].detach().copy_(gathered[r, offset: offset + n].view(self.shapes[i]))
+                offset += n
+
+    # --- fsdp: row shards ----------------------------------------------------------------------
+    def _exchange(self, pieces: dict[int, list[torch.Tensor]],
+                  incoming: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
+        """Send pieces[d] (flat tensors, concatenated) to each rank d in one all_to_all; return the
+        received flat tensors, for each source rank the (matrix, numel) list `incoming[s]` says."""
+        like = self._local(0)
+        send_sizes = [sum(t.numel() for t in pieces[d]) for d in range(self.world)]
+        recv_sizes = [sum(n for _, n in incoming[s]) for s in range(self.world)]
+        chunks = [t.reshape(-1) for d in range(self.world) for t in pieces[d]]
+        send = torch.cat(chunks) if chunks else like.new_empty(0)
+        recv = like.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+        out, offset = [], 0
+        for s in range(self.world):
+            for _, n in incoming[s]:
+                out.append(recv[offset: offset + n])
+                offset += n
+        return out
+
+    def _cols(self, i: int) -> int:
+        return self.shapes[i][1]
+
+    def _step_sharded(self) -> None:
+        W = self.world
+        # 1. each rank's rows of every gradient to the matrix's owner
+        grads = {d: [] for d in range(W)}
+        for i, owner in enumerate(self.owners):
+            grad = self.params[i].grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            grads[owner].append(local)
+        incoming = [[(i, (self._rows(i, s).stop - self._rows(i, s).start) * self._cols(i)) for i in self.mine]
+                    for s in range(W)]
+        received = iter(self._exchange(grads, incoming))
+        whole = {i: torch.empty(self.shapes[i], dtype=self._local(i).dtype, device=self._local(i).device)
+                 for i in self.mine}
+        for s in range(W):
+            for i in self.mine:
+                rows = self._rows(i, s)
+                whole[i][rows] = next(received).view(rows.stop - rows.start, self._cols(i))
+        # 2. the owner's stock Muon step on zeroed copies: the copies become the updates
+        for work, i in zip(self.work, self.mine):
+            work.zero_()
+            work.grad = whole[i]
+        if self.inner:
+            self.inner.step()
+        # 3. each rank's rows of the updates back, then decay and update on the shards
+        updates = {d: [work[self._rows(i, d)] for work, i in zip(self.work, self.mine)] for d in range(W)}
+        incoming = [[(i, (self._rows(i, self.rank).stop - self._rows(i, self.rank).start) * self._cols(i))
+                     for i, o in enumerate(self.owners) if o == s] for s in range(W)]
+        received = self._exchange(updates, incoming)
+        order = [i for s in range(W) for i, o in enumerate(self.owners) if o == s]
+        decay = 1 - self.group["lr"] * self.weight_decay
+        for i, update in zip(order, received):
+            local = self._local(i)
+            local.mul_(decay)
+            local.add_(update.view_as(local))
+
+    # --- checkpoint state: each owned matrix's momentum, whole, by name ------------------------
+    def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        state = self.state
+        return {self.names[i]: dict(state[work]) for work, i in zip(self.work, self.mine) if state.get(work)}
+
+    def state_template(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {self.names[i]: {"momentum_buffer": torch.zeros(self.shapes[i], dtype=work.dtype, device=work.device)}
+                for work, i in zip(self.work, self.mine)}
+
+    def load_state_by_name(self, state: dict) -> None:
+        if not self.inner:
+            return
+        load_indexed_state(self.inner, {j: state[self.names[i]] for j, i in enumerate(self.mine)
+                                         if self.names[i] in state})
