@@ -1,7 +1,7 @@
 """lm-evaluation-harness throughput (requests/s): dtrain's adapter against the harness's `hf` model.
 
-    .venv/bin/python scripts/bench_harness.py [--models tiny cpu_small] [--batch-size 8] [--examples 48]
-                                              [--device cpu] [--threads N] [--repeats 3]
+    .venv/bin/python scripts/bench_harness.py [--models cpu_small gpt2_124m] [--batch-size 8] [--examples 48]
+                                              [--device cpu] [--threads N] [--repeats 3] [--worlds 1 2]
 
 For each model size, random-init weights (seed 0) go to dtrain's harness model
 (trainer/evals/harness.py: DtrainLM over our GPT) and, written out as `dtrain export` writes them
@@ -13,6 +13,13 @@ clock covers only the model's calls (loglikelihood, loglikelihood_rolling, gener
 one warm-up pass of both, and the best of --repeats passes counts (the machine may be shared);
 the harness's own work around them (datasets, metrics) is the same for both. The table also says
 whether every metric agreed (within 1e-6 relative).
+
+The second table is `dtrain eval RUN --tasks T world=N` itself, one task at a time, for each of
+--worlds (N workers of --threads / N threads each, and one worker of as many, to tell how well the
+requests split from how many cores there are): the same weights saved as a run
+(resolved_config.json and a state_dict), requests/s counted over the model's calls
+(eval_harness.json's model_s: on rank 0, waiting for the other workers included), the best of
+--repeats, and whether each setup's metrics equal world 1's exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,11 +49,13 @@ import lm_eval  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from trainer.commands.export import hf_config, hf_state_dict  # noqa: E402
+from trainer.checkpoint.hf import hf_config, to_hf_state_dict  # noqa: E402
 from trainer.compose import compose  # noqa: E402
+from trainer.config import to_dict  # noqa: E402
 from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer  # noqa: E402
 from trainer.evals.harness import DtrainLM, task_manager  # noqa: E402
 from trainer.model import build_model  # noqa: E402
+from trainer.rundir import write_config_record  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TASKS = {"bench_mc": "loglikelihood", "bench_ppl": "loglikelihood_rolling", "bench_gen": "generate_until"}
@@ -93,7 +103,7 @@ def write_tasks(root: Path, n: int) -> None:
 def export_folder(model, out: Path) -> None:
     """What `dtrain export` writes, from a model in memory."""
     out.mkdir(parents=True)
-    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model), indent=2))
     write_hf_tokenizer(out, hf_tokenizer_files(model.config.block_size))
 
@@ -144,14 +154,59 @@ def agree(a: dict, b: dict) -> bool:
     return True
 
 
+def save_run(model, cfg, run: Path) -> Path:
+    """A run directory `dtrain eval` reads: the resolved config and the weights as a state_dict file."""
+    write_config_record(run, to_dict(cfg))
+    torch.save(model.state_dict(), run / "weights.pt")
+    return run / "weights.pt"
+
+
+def eval_rate(run: Path, weights: Path, task: str, tasks_dir: Path, world: int, threads: int,
+              args) -> tuple[float, dict]:
+    """(requests/s over the model's calls, the task's metrics) of `dtrain eval RUN --tasks task world=N`."""
+    cmd = [sys.executable, "-m", "trainer", "eval", str(run), "--tasks", task, "--include-path", str(tasks_dir),
+           "--batch-size", str(args.batch_size), "--bootstrap-iters", "0", "--device", args.device,
+           f"ckpt={weights}", f"world={world}", f"launch.threads_per_worker={threads}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+    record = json.loads((run / "eval_harness.json").read_text())
+    kind = TASKS[task]
+    return record["requests"][kind] / record["model_s"][kind], record["results"][task]
+
+
+def world_rows(model, cfg, name: str, tmp: Path, args) -> list[tuple]:
+    """(model, request kind, world, threads per worker, requests/s, vs world 1 on all threads,
+    vs world 1 on one worker's threads, metrics equal world 1's) rows."""
+    weights = save_run(model, cfg, tmp / f"run_{name}")
+    cores = args.threads
+    setups = [(1, cores)] + [(w, max(1, cores // w)) for w in args.worlds if w > 1]
+    setups += [(1, t) for t in sorted({t for _, t in setups[1:]} - {cores})]  # a worker's share of the cores
+    rows = []
+    for task, kind in TASKS.items():
+        rates, metrics = {}, {}
+        for setup in setups:
+            for _ in range(args.repeats):
+                rate, metrics[setup] = eval_rate(weights.parent, weights, task, tmp / "tasks", *setup, args)
+                rates[setup] = max(rates.get(setup, 0.0), rate)
+        for world, threads in setups:
+            rate = rates[(world, threads)]
+            rows.append((name, kind, world, threads, rate, rate / rates[(1, cores)], rate / rates[(1, threads)],
+                         metrics[(world, threads)] == metrics[(1, cores)]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "cpu_small"])
+    parser.add_argument("--models", nargs="+", default=["cpu_small", "gpt2_124m"])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--examples", type=int, default=48, help="multiple-choice examples")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per model; the best one counts")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2],
+                        help="worker counts for `dtrain eval ... world=N`, each with --threads / N threads "
+                             "(none: skip that table)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -159,6 +214,11 @@ def main() -> None:
                         f"{args.threads} thread(s), lm-eval {lm_eval.__version__}")
     for col in ("model", "requests", "n", "dtrain req/s", "hf req/s", "dtrain / hf", "metrics equal"):
         table.add_column(col, justify="left" if col in ("model", "requests") else "right")
+    scaling = Table(title=f"dtrain eval --tasks T world=N: requests/s over the model's calls, batch {args.batch_size}, "
+                          f"{args.device}, {args.threads} threads in all")
+    for col in ("model", "requests", "world", "threads each", "req/s", f"vs world 1 ({args.threads} threads)",
+                "vs world 1 (same threads)", "metrics = world 1"):
+        scaling.add_column(col, justify="left" if col in ("model", "requests") else "right")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "tasks").mkdir()
@@ -166,7 +226,8 @@ def main() -> None:
         manager = task_manager(str(tmp / "tasks"))
         for name in args.models:
             torch.manual_seed(0)
-            model = build_model(compose([f"model={name}"]).model).eval()
+            cfg = compose([f"model={name}"])
+            model = build_model(cfg.model).eval()
             export_folder(model, tmp / name)
             ours = DtrainLM(model, batch_size=args.batch_size, device=args.device)
             hf = HFLM(pretrained=str(tmp / name), device=args.device, dtype="float32", batch_size=args.batch_size)
@@ -177,7 +238,14 @@ def main() -> None:
             for kind in TASKS.values():
                 table.add_row(name, kind, str(n[kind]), f"{rate_ours[kind]:,.1f}", f"{rate_hf[kind]:,.1f}",
                               f"{rate_ours[kind] / rate_hf[kind]:.2f}x", equal)
-    Console(width=max(Console().width, 110)).print(table)
+            for row in world_rows(model, cfg, name, tmp, args) if args.worlds else []:
+                model_name, kind, world, threads, rate, speedup, per_worker, same = row
+                scaling.add_row(model_name, kind, str(world), str(threads), f"{rate:,.1f}", f"{speedup:.2f}x",
+                                f"{per_worker:.2f}x", "yes" if same else "NO")
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    if args.worlds:
+        console.print(scaling)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,8 @@ def test_result_file_and_report(ours, run_dir):
     assert ours["step"] == 10 and ours["checkpoint"].endswith("checkpoints/step_000010")
     assert ours["tasks"] == TASKS.split(",") and ours["batch_size"] == BATCH and ours["device"] == "cpu"
     assert ours["wall_s"] > 0 and ours["requests_per_s"] > 0 and ours["load_s"] >= 0
+    kinds = {"loglikelihood", "loglikelihood_rolling", "generate_until"}
+    assert set(ours["model_s"]) == kinds and 0 < sum(ours["model_s"].values()) < ours["wall_s"]
     assert ours["n-samples"]["dtrain_mc"]["effective"] == 12 and ours["versions"]["dtrain_gen"] == 1.0
     pytest.importorskip("matplotlib")
     proc = run_dtrain(["report", str(run_dir)])
@@ -232,6 +234,7 @@ def test_task_data_that_cannot_be_fetched_is_one_line(run_dir, tasks_dir, tmp_pa
     (["--tasks", ","], "--tasks names no task"),
     (["--tasks", "x", "parallel=ddp"], "does not apply to --tasks"),
     (["--tasks", "x", "world=0"], "a number of workers"),
+    (["--tasks", "x", "launch.threads_per_worker=two"], "a number of CPU threads per worker"),
     (["--tasks", "x", "--step", "3", "ckpt=/x"], "not both"),
     (["--tasks", "x", "--limit", "2.5"], "a whole number"),
     (["--tasks", "x", "--include-path", "/nonexistent"], "is not a folder"),

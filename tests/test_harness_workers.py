@@ -50,7 +50,7 @@ def evaluate(run: Path, tasks: Path, *extra: str) -> tuple[dict, dict[str, list[
 @pytest.fixture(scope="module")
 def both(run_dir, tasks):  # noqa: F811
     one = evaluate(run_dir, tasks)
-    two = evaluate(run_dir, tasks, "world=2")
+    two = evaluate(run_dir, tasks, "world=2", "launch.threads_per_worker=1")
     return one, two
 
 
@@ -66,7 +66,7 @@ def same(a, b) -> bool:
 
 def test_world_2_gives_world_1s_metrics_exactly(both):
     (rec1, samples1), (rec2, samples2) = both
-    assert rec1["world"] == 1 and rec2["world"] == 2
+    assert rec1["world"] == 1 and rec2["world"] == 2 and rec2["threads_per_worker"] == 1
     assert same(rec1["results"], rec2["results"]), (rec1["results"], rec2["results"])
     assert rec1["requests"] == rec2["requests"] and rec1["n-samples"] == rec2["n-samples"]
     for task in TASKS:  # and every request's answer, sampled generations included

@@ -2,7 +2,7 @@
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
                         [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
-                        [world=N]
+                        [world=N] [launch.threads_per_worker=T]
 
 The weights come straight from the DCP checkpoint (verified, and refused when corrupt or non-finite,
 as everywhere) into dtrain's own GPT, which trainer/evals/harness.py presents to the harness as a
@@ -14,7 +14,8 @@ to <RUN_DIR>/eval_harness.json (`results`, plus step, checkpoint and timing); `d
 
 world=N splits the requests over N workers started as training starts them (loopback rendezvous):
 each scores its share of the batches, every worker gets all results, rank 0 writes them; a batch is
-the same on any world size, so the metrics are world=1's.
+the same on any world size, so the metrics are world=1's. On CPU each worker takes cores / N
+threads unless launch.threads_per_worker says otherwise (as in training).
 """
 
 from __future__ import annotations
@@ -56,17 +57,19 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks names no task; e.g. --tasks hellaswag,arc_easy")
-    ckpt, world = None, 1
+    ckpt, world, threads = None, 1, None
     for arg in overrides:
         key, value = arg.split("=", 1)
         if key == "ckpt":
             ckpt = value
-        elif key == "world":
+        elif key in ("world", "launch.threads_per_worker"):
             if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"world={value}: a number of workers, 1 or more")
-            world = int(value)
+                what = "workers" if key == "world" else "CPU threads per worker"
+                raise ConfigError(f"{key}={value}: a number of {what}, 1 or more")
+            world, threads = (int(value), threads) if key == "world" else (world, int(value))
         else:
-            raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH and world=N besides its flags")
+            raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH, world=N and "
+                              "launch.threads_per_worker=T besides its flags")
     if ckpt is not None and args.step is not None:
         raise ConfigError("give --step N or ckpt=PATH, not both")
     limit = args.limit
@@ -94,7 +97,8 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     harness.check_tasks(tasks, harness.task_manager(args.include_path))
     job = {"tasks": tasks, "run_dir": str(run_dir), "weights": str(weights), "device": str(device),
            "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
-           "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples)}
+           "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples),
+           "threads": threads}
     launch = to_dict(OmegaConf.structured(LaunchConfig))
     return run_workers(harness_worker, (job,), launch, world, run_dir / "logs")
 
@@ -103,7 +107,7 @@ def harness_worker(job: dict) -> dict:
     """One worker of `dtrain eval --tasks` (module level: torchrun's engine spawns it): the whole
     harness runs on every rank, the model's requests split over them; rank 0 writes and prints."""
     launch = LaunchConfig()
-    rt = init_runtime(job["device"], False, launch.timeout_s, launch.threads_per_worker)
+    rt = init_runtime(job["device"], False, launch.timeout_s, job["threads"])
     try:
         return _score(job, rt)
     finally:
@@ -145,10 +149,12 @@ def _score(job: dict, rt) -> dict:
         "batch_size": job["batch_size"],
         "device": str(rt.device),
         "world": rt.world,
+        "threads_per_worker": torch.get_num_threads() if rt.device.type == "cpu" else None,
         "include_path": str(Path(job["include_path"]).absolute()) if job["include_path"] else None,
         "lm_eval_version": harness.HARNESS_VERSION,
         "requests": dict(lm.requests),
         "requests_per_s": round(n_requests / wall, 3) if wall > 0 else None,
+        "model_s": {kind: round(s, 3) for kind, s in lm.seconds.items()},  # the rest of wall_s is the harness's
         "load_s": round(load_s, 3),
         "wall_s": round(wall, 3),
     }

@@ -40,7 +40,8 @@ HARNESS_VERSION = lm_eval.__version__
 GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
 
 class DtrainLM(TemplateLM):
-    """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored. The
+    """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored and
+    `seconds` the time spent in each kind of request (the model's share of the harness's wall). The
     harness's progress-bar options (disable_tqdm) arrive in **kwargs: no bars here. `seed` seeds
     each sampled generation by its request, so samples do not depend on batching or world size."""
 
@@ -58,6 +59,7 @@ class DtrainLM(TemplateLM):
         self.shards = shards or Shards()
         self.seed = seed
         self.requests: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
 
     @property
     def eot_token_id(self) -> int:
@@ -82,6 +84,7 @@ class DtrainLM(TemplateLM):
         context + continuation minus its last token, at most max_length from the right; requests
         with the same input share its forward (HFLM's one-token-continuation cache, for any length)."""
         self.requests["loglikelihood"] += len(requests)
+        t0 = time.perf_counter()
         readers: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
         for index, (_, ctx, cont) in enumerate(requests):
             readers.setdefault(tuple((ctx + cont)[-(self.max_length + 1):][:-1]), []).append((index, cont))
@@ -94,6 +97,7 @@ class DtrainLM(TemplateLM):
         for (strings, _, _), scored in zip(requests, res):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, scored)
+        self.seconds["loglikelihood"] += time.perf_counter() - t0
         return res
 
     @torch.inference_mode()
@@ -110,12 +114,13 @@ class DtrainLM(TemplateLM):
         at = (ends.unsqueeze(1) - k + torch.arange(k)).clamp(min=0)
         logits, _ = self.model(batch.to(self._device), logits_at=at.to(self._device))
         log_probs = F.log_softmax(logits.float(), dim=-1)  # the real vocabulary only: padded rows cut off
+        greedy = log_probs.argmax(dim=-1).tolist()  # one call for the batch, not one per request
         out = []
-        for (_, readers), row in zip(rows, log_probs):
+        for (_, readers), row, row_greedy in zip(rows, log_probs, greedy):
             for index, cont in readers:
                 part = row[k - len(cont):]
                 target = torch.tensor(cont, dtype=torch.long, device=self._device)
-                is_greedy = bool((part.argmax(dim=-1) == target).all())
+                is_greedy = row_greedy[k - len(cont):] == cont
                 out.append((index, (float(part.gather(1, target.unsqueeze(1)).sum()), is_greedy)))
         return out
 
@@ -123,6 +128,7 @@ class DtrainLM(TemplateLM):
         """Log-likelihood of whole documents: each token predicted once, in max_length windows whose
         first one starts after <|endoftext|>, batched in request order as HFLM does."""
         self.requests["loglikelihood_rolling"] += len(requests)
+        t0 = time.perf_counter()
         windows, counts = [], []
         for (string,) in (req.args for req in requests):
             rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=EOT,
@@ -139,6 +145,7 @@ class DtrainLM(TemplateLM):
             out.append(sum(scores[at: at + n]))
             at += n
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, out[-1])
+        self.seconds["loglikelihood_rolling"] += time.perf_counter() - t0
         return out
 
     # ---------------------------------------------------------------------- generation
@@ -146,6 +153,7 @@ class DtrainLM(TemplateLM):
     def generate_until(self, requests, **kwargs) -> list[str]:
         """Continuations batched per generation settings, longest context first."""
         self.requests["generate_until"] += len(requests)
+        t0 = time.perf_counter()
         args = [req.args for req in requests]
         seen: Counter[str] = Counter()
         seeds = []
@@ -167,6 +175,7 @@ class DtrainLM(TemplateLM):
             res[index] = text
         for (context, gen_kwargs), text in zip(args, res):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        self.seconds["generate_until"] += time.perf_counter() - t0
         return res
 
     def _settings(self, gen_kwargs: dict) -> tuple[list[str], int, Sampling]:
