@@ -1,7 +1,7 @@
 """optim=muon (Muon on the blocks' hidden matrices, AdamW on the rest) in every parallel mode: the
 split by role for both block families, parity with one process within 1e-5 (ddp, zero, zero_torch,
-fsdp at world 2 and 4), a trajectory that is not AdamW's, SIGTERM and a bitwise resume under zero
-and fsdp, and resharded resumes (fsdp world 2 -> one process, zero -> fsdp).
+fsdp at world 2 and 4), a trajectory that is not AdamW's, SIGTERM or kill -9 and a bitwise resume
+under zero and fsdp, and resharded resumes (fsdp world 2 -> one process, zero -> fsdp).
 
 Muon's weight decay is on (0.1), so fsdp's decay applied to each shard is checked too. Every run
 trains 16 steps of 256 tokens and saves a checkpoint every 4, so a mode's parity run is
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_matches_one_process, run_dtrain, tiny_args, train_losses
-from test_checkpoint import loss_records, same_weights, start_dtrain
+from test_checkpoint import kill_group, logged_steps, loss_records, past_a_checkpoint, same_weights, start_dtrain
 from test_signals import STOP_LINE, finish, logged, wait_for
 
+from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.compose import compose
 from trainer.memory import estimate
 from trainer.model import build_model
@@ -135,6 +136,25 @@ def test_sigterm_then_the_same_command_is_bitwise(case, data_dir, runs, tmp_path
     again = run_dtrain(args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"(step {step})" in again.stderr, again.stderr[-3000:]
+    assert loss_records(run_dir) == loss_records(reference)
+    assert same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero_w2", "fsdp_w2"])
+def test_kill_9_then_the_same_command_is_bitwise(case, data_dir, runs, tmp_path):
+    """No emergency save: the run goes on from its last periodic checkpoint, owners' momenta included."""
+    reference = runs(case)
+    run_dir, log = tmp_path / "run", tmp_path / "killed.log"
+    args = muon_args(data_dir, run_dir, *CASES[case])
+    proc = start_dtrain(args, log)
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    resumed_from = checkpoint_step(latest_checkpoint(run_dir))
+    assert max(logged_steps(run_dir)) < STEPS
+    again = run_dtrain(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"step_{resumed_from:06d}" in again.stderr, again.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)
     assert same_weights(run_dir, reference)
 
