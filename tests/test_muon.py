@@ -120,41 +120,37 @@ def test_every_mode_matches_one_process(case, runs):
     assert_matches_one_process(train_losses(runs("reference")), train_losses(runs(case)), STEPS, case)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["zero_w2", "fsdp_w2"])
-def test_sigterm_then_the_same_command_is_bitwise(case, data_dir, runs, tmp_path):
-    reference = runs(case)
-    run_dir, log = tmp_path / "run", tmp_path / "stopped.log"
-    args = muon_args(data_dir, run_dir, *CASES[case])
-    proc = start_dtrain(args, log)
+def sigterm(run_dir: Path, proc, log: Path) -> str:
+    """SIGTERM after two logged steps: the run saves where it is and exits 128 + 15."""
     wait_for(lambda: logged(run_dir, at_least=2), proc, log)
     os.kill(proc.pid, signal.SIGTERM)
     out = finish(proc, log)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     [(_, step, _, _)] = STOP_LINE.findall(out)
     assert 2 <= int(step) < STEPS, out[-3000:]
-    again = run_dtrain(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"(step {step})" in again.stderr, again.stderr[-3000:]
-    assert loss_records(run_dir) == loss_records(reference)
-    assert same_weights(run_dir, reference)
+    return f"(step {step})"
+
+
+def kill_9(run_dir: Path, proc, log: Path) -> str:
+    """kill -9 past a checkpoint: no save, the run goes on from its last periodic one."""
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    assert max(logged_steps(run_dir)) < STEPS
+    return f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", [sigterm, kill_9], ids=["sigterm", "kill_9"])
 @pytest.mark.parametrize("case", ["zero_w2", "fsdp_w2"])
-def test_kill_9_then_the_same_command_is_bitwise(case, data_dir, runs, tmp_path):
-    """No emergency save: the run goes on from its last periodic checkpoint, owners' momenta included."""
+def test_stopped_then_the_same_command_is_bitwise(case, stop, data_dir, runs, tmp_path):
+    """Owners' momenta (zero, fsdp) come back whole from the checkpoint, whichever way the run stopped."""
     reference = runs(case)
-    run_dir, log = tmp_path / "run", tmp_path / "killed.log"
+    run_dir, log = tmp_path / "run", tmp_path / "stopped.log"
     args = muon_args(data_dir, run_dir, *CASES[case])
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    resumed_from = checkpoint_step(latest_checkpoint(run_dir))
-    assert max(logged_steps(run_dir)) < STEPS
+    resumed_at = stop(run_dir, start_dtrain(args, log), log)
     again = run_dtrain(args)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"step_{resumed_from:06d}" in again.stderr, again.stderr[-3000:]
+    assert resumed_at in again.stderr, again.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)
     assert same_weights(run_dir, reference)
 
