@@ -57,16 +57,16 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks names no task; e.g. --tasks hellaswag,arc_easy")
-    ckpt, world, threads = None, 1, None
+    ckpt, counts = None, {"world": 1, "launch.threads_per_worker": None}
     for arg in overrides:
         key, value = arg.split("=", 1)
         if key == "ckpt":
             ckpt = value
-        elif key in ("world", "launch.threads_per_worker"):
+        elif key in counts:
             if not value.isdigit() or int(value) < 1:
                 what = "workers" if key == "world" else "CPU threads per worker"
                 raise ConfigError(f"{key}={value}: a number of {what}, 1 or more")
-            world, threads = (int(value), threads) if key == "world" else (world, int(value))
+            counts[key] = int(value)
         else:
             raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH, world=N and "
                               "launch.threads_per_worker=T besides its flags")
@@ -98,9 +98,9 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     job = {"tasks": tasks, "run_dir": str(run_dir), "weights": str(weights), "device": str(device),
            "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
            "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples),
-           "threads": threads}
+           "threads": counts["launch.threads_per_worker"]}
     launch = to_dict(OmegaConf.structured(LaunchConfig))
-    return run_workers(harness_worker, (job,), launch, world, run_dir / "logs")
+    return run_workers(harness_worker, (job,), launch, counts["world"], run_dir / "logs")
 
 
 def harness_worker(job: dict) -> dict:

@@ -15,6 +15,7 @@ for --tasks.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import zlib
@@ -38,6 +39,21 @@ from trainer.model.decode import Sampling, generate
 HARNESS_VERSION = lm_eval.__version__
 # What generate_until understands of a task's generation_kwargs (after the harness normalized them).
 GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
+
+def served(kind: str):
+    """Count a request method's requests under `kind` and add the time it takes to `seconds[kind]`."""
+    def wrap(method):
+        @functools.wraps(method)
+        def counted(self, requests, **kwargs):
+            self.requests[kind] += len(requests)
+            t0 = time.perf_counter()
+            try:
+                return method(self, requests, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - t0
+        return counted
+    return wrap
+
 
 class DtrainLM(TemplateLM):
     """A plain (unwrapped) dtrain GPT as a harness model; `requests` counts what it scored and
@@ -79,12 +95,11 @@ class DtrainLM(TemplateLM):
 
     # --------------------------------------------------------------------- loglikelihood
 
+    @served("loglikelihood")
     def _loglikelihood_tokens(self, requests, **kwargs):
         """[(logprob, is_greedy)] of (strings, context ids, continuation ids) requests: the input is
         context + continuation minus its last token, at most max_length from the right; requests
         with the same input share its forward (HFLM's one-token-continuation cache, for any length)."""
-        self.requests["loglikelihood"] += len(requests)
-        t0 = time.perf_counter()
         readers: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
         for index, (_, ctx, cont) in enumerate(requests):
             readers.setdefault(tuple((ctx + cont)[-(self.max_length + 1):][:-1]), []).append((index, cont))
@@ -97,7 +112,6 @@ class DtrainLM(TemplateLM):
         for (strings, _, _), scored in zip(requests, res):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, scored)
-        self.seconds["loglikelihood"] += time.perf_counter() - t0
         return res
 
     @torch.inference_mode()
@@ -124,11 +138,10 @@ class DtrainLM(TemplateLM):
                 out.append((index, (float(part.gather(1, target.unsqueeze(1)).sum()), is_greedy)))
         return out
 
+    @served("loglikelihood_rolling")
     def loglikelihood_rolling(self, requests, **kwargs) -> list[float]:
         """Log-likelihood of whole documents: each token predicted once, in max_length windows whose
         first one starts after <|endoftext|>, batched in request order as HFLM does."""
-        self.requests["loglikelihood_rolling"] += len(requests)
-        t0 = time.perf_counter()
         windows, counts = [], []
         for (string,) in (req.args for req in requests):
             rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=EOT,
@@ -145,15 +158,13 @@ class DtrainLM(TemplateLM):
             out.append(sum(scores[at: at + n]))
             at += n
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, out[-1])
-        self.seconds["loglikelihood_rolling"] += time.perf_counter() - t0
         return out
 
     # ---------------------------------------------------------------------- generation
 
+    @served("generate_until")
     def generate_until(self, requests, **kwargs) -> list[str]:
         """Continuations batched per generation settings, longest context first."""
-        self.requests["generate_until"] += len(requests)
-        t0 = time.perf_counter()
         args = [req.args for req in requests]
         seen: Counter[str] = Counter()
         seeds = []
@@ -175,7 +186,6 @@ class DtrainLM(TemplateLM):
             res[index] = text
         for (context, gen_kwargs), text in zip(args, res):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        self.seconds["generate_until"] += time.perf_counter() - t0
         return res
 
     def _settings(self, gen_kwargs: dict) -> tuple[list[str], int, Sampling]:
