@@ -130,7 +130,7 @@ class OwnedMuon:
             send[offset: offset + n] = self.params[i].detach().reshape(-1)
             offset += n
         gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
-        dist.all_gather_single(gathered, send)
+        dist.all_gather_into_tensor(gathered, send)
         gathered = gathered.view(self.world, width)
         for r, idx in enumerate(owned):
             if r == self.rank:

@@ -94,7 +94,7 @@ class ZeroOptimizer:
         padding = mine[0].new_zeros(bucket.width - sum(t.numel() for t in mine))
         send = torch.cat([*mine, padding])
         gathered = send.new_empty(self.world * bucket.width)  # gloo takes the concatenated form only
-        work = dist.all_gather_single(gathered, send, async_op=True)
+        work = dist.all_gather_into_tensor(gathered, send, async_op=True)
         return work, gathered.view(self.world, bucket.width)
 
     def _copy_in_rows(self, bucket: _Bucket, gathered: torch.Tensor) -> None:
