@@ -4,6 +4,7 @@ reported before torch would have finished importing."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -15,10 +16,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, register_configs
+from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
@@ -91,8 +92,30 @@ def quote_hint(override: str) -> UserError:
     )
 
 
+def unknown_key_error(key: str) -> UserError:
+    """The one line for a key the schema does not have, however it was given (`key=`, `+key=`,
+    `++key=`): Hydra's own advice for `key=` would be `+key=`, which the schema refuses as well."""
+    close = difflib.get_close_matches(key, schema_keys(), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return UserError(f"bad config: {key} is not a config key; {hint}`dtrain train --cfg job` lists every key")
+
+
+def check_schema_keys(cfg: DictConfig) -> None:
+    """Every key of the composed config (its hydra section aside) is one of the schema's: `+key=`
+    adds a key Hydra's struct mode would otherwise refuse."""
+    job = OmegaConf.to_container(cfg, resolve=False)
+    job.pop("hydra", None)
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), job)
+    except ConfigKeyError as err:
+        raise unknown_key_error(err.full_key) from None
+
+
 def _user_error(err: Exception, overrides: list[str]) -> Exception:
     """Hydra's and OmegaConf's errors are the user's config: a UserError; anything else stays."""
+    cause = err.__cause__
+    if str(err).startswith("Could not override") and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        return unknown_key_error(cause.full_key)  # `key=` of a key the schema does not have
     unquoted = unquoted_non_ascii(overrides)
     if isinstance(err, OverrideParseException) and unquoted:
         return quote_hint(unquoted)
@@ -109,11 +132,13 @@ def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConf
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=JOB_NAME):
-            return hydra_compose(CONFIG_NAME, overrides=overrides, return_hydra_config=return_hydra_config)
+            cfg = hydra_compose(CONFIG_NAME, overrides=overrides, return_hydra_config=return_hydra_config)
     except Exception as err:
         raise _user_error(err, overrides) from None
     finally:
         GlobalHydra.instance().clear()
+    check_schema_keys(cfg)
+    return cfg
 
 
 def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
@@ -126,6 +151,7 @@ def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
         cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=True)
     except Exception as err:
         raise _user_error(err, overrides) from None
+    check_schema_keys(cfg)
     cfg.hydra.mode = RunMode.RUN
     anchor_paths(cfg)
     return hydra, cfg

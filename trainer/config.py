@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainer.env import launched_world
 from trainer.errors import ConfigError
+from trainer.io import dotted_keys
 
 # A checkout (or an editable install) reads the top-level conf/; a wheel carries it as trainer/conf.
 _PACKAGED_CONF = Path(__file__).resolve().parent / "conf"
@@ -236,6 +237,18 @@ class Config:
     # name (logger=tensorboard). Typed Any because OmegaConf has no str-or-list type: validation.py
     # checks it, and tracker_names() reads it.
     logger: Any = field(default_factory=list)
+
+
+# The sections a config group fills (MISSING in Config until the group's YAML is merged), by schema.
+GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key the schema has, the groups' sections included."""
+    tree = OmegaConf.to_container(OmegaConf.structured(Config))
+    for section, schema in GROUP_SCHEMAS.items():
+        tree[section] = OmegaConf.to_container(OmegaConf.structured(schema))
+    return list(dotted_keys(tree))
 
 
 def tracker_names(logger) -> list[str]:

@@ -3,6 +3,7 @@ before anything is written to the run directory (and before torch is imported)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -47,12 +48,15 @@ def check_run(cfg, run_dir: Path, world: int) -> RunDirState:
     return state
 
 
-def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
-    """Every check under the run directory's lock, then (unless the run is finished) the directory
+def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock,
+              check_launch: Callable[[object, int], None]) -> RunDirState:
+    """Every check under the run directory's lock (`check_launch`: the caller's checks that need
+    torch, which this module does not import), then (unless the run is finished) the directory
     claimed and the resolved config recorded; returns what the run directory held."""
     lock.probe()
     state = check_run(cfg, run_dir, world)
     if state is not RunDirState.FINISHED:
+        check_launch(cfg, world)
         lock.claim()
         record_config(cfg, run_dir)
     return state

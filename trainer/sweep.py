@@ -45,7 +45,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
-from trainer.writable import check_writable_dir
+from trainer.writable import check_writable_dir, folder_setting
 
 SUMMARY_FILE = "summary.jsonl"
 ERROR_FILE = "error.txt"
@@ -251,6 +251,7 @@ def pin_sweep_dir(args: list[str]) -> tuple[list[str], Path | None]:
         return args, None
     points = sweep_points(overrides)
     cfg = compose(points[0] if points else [], return_hydra_config=True)
+    folder_setting("hydra.sweep.dir", cfg.hydra.sweep.dir)  # not empty, no name too long
     sweep_dir = Path(str(cfg.hydra.sweep.dir))
     check_writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}", "choose another hydra.sweep.dir=")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):

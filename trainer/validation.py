@@ -3,10 +3,14 @@ cannot express. Torch-free, like the schema (a user error arrives before torch w
 
 from __future__ import annotations
 
+import math
+import re
+
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import (
     DTYPES,
+    GROUP_SCHEMAS,
     INIT_FROM_REQUIRED,
     LOGGERS,
     MIXED_PRECISION,
@@ -20,15 +24,16 @@ from trainer.config import (
     POSITIONS,
     TOKENIZER_VOCAB_SIZE,
     Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
     batch_plan,
     requested_world,
 )
 from trainer.env import launched_world
 from trainer.errors import ConfigError
+from trainer.io import dotted_keys
+
+# train.device: what the runtime picks from (a device string torch would not parse is refused here,
+# torch-free; whether a CUDA device is there is checked once torch is loaded, before anything is written).
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _at_least(low):
@@ -110,15 +115,15 @@ NULL_MEANS = {
 def _schema_default(key: str):
     """The schema's default for a dotted key (None where the schema has none)."""
     section, _, name = key.partition(".")
-    groups = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}
-    if section in groups:  # MISSING in Config (a group's YAML fills them): their own dataclass's
-        return OmegaConf.select(OmegaConf.structured(groups[section]), name, default=None)
+    if section in GROUP_SCHEMAS:  # MISSING in Config (a group's YAML fills them): their own dataclass's
+        return OmegaConf.select(OmegaConf.structured(GROUP_SCHEMAS[section]), name, default=None)
     return OmegaConf.select(OmegaConf.structured(Config), key, default=None)
 
 
 def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> None:
     """Every numeric key within its range (only the keys under `sections`, when given). Raises
     ConfigError naming the key, its range and a value that works."""
+    check_finite(cfg, sections)
     for key, (ok, requirement) in RANGES.items():
         if sections is not None and key.split(".")[0] not in sections:
             continue
@@ -138,6 +143,20 @@ def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> No
         )
 
 
+def check_finite(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> None:
+    """No float key (nor a list's item) is inf or nan, whatever its range says: inf passes `> 0`."""
+    for key, value in dotted_keys(OmegaConf.to_container(cfg, resolve=True)).items():
+        if sections is not None and key.split(".")[0] not in sections:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            default = _schema_default(key)
+            fix = f"; e.g. {key}={default}" if default is not None else ""
+            nullable = f" (or null: {NULL_MEANS[key]})" if key in NULL_MEANS else ""
+            what = "finite numbers" if isinstance(value, list) else "a finite number"
+            raise ConfigError(f"{key}={value} must be {what}{nullable}{fix}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Every key's range, then the cross-field checks that types alone cannot express. Raises
     ConfigError."""
@@ -152,6 +171,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+    if not DEVICE_SPEC.fullmatch(str(t.device)):
+        raise ConfigError(f"train.device={t.device!r} is not a device; use auto, cpu, cuda or cuda:N")
     if t.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
     check_block(m)

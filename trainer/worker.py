@@ -12,6 +12,7 @@ from trainer.checkpoint.manager import Checkpointer
 from trainer.config import from_dict
 from trainer.env import under_torchrun
 from trainer.errors import Stopped
+from trainer.launch_checks import check_launch
 from trainer.loop import train
 from trainer.parallel import strategy_class
 from trainer.preflight import preflight
@@ -46,7 +47,7 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     try:
         if not preflight_done:
             def prepare_run():
-                finished = preflight(cfg, Path(run_dir), rt.world, lock) is RunDirState.FINISHED
+                finished = preflight(cfg, Path(run_dir), rt.world, lock, check_launch) is RunDirState.FINISHED
                 if finished:
                     print(f"dtrain: {finished_message(Path(run_dir))}", flush=True)
                 return cfg_dict, run_dir, finished

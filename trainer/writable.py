@@ -23,6 +23,33 @@ MIN_FREE_BYTES = 1 << 20
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
+def folder_setting(key: str, value) -> Path:
+    """The folder a setting names (e.g. hydra.run.dir), absolute; refused when empty (that would be
+    the current folder: a run would write among the user's own files) or when a name on it is
+    longer than the file system takes. Touches nothing on disk beyond asking for the limits."""
+    if value is None or not str(value).strip():
+        raise UserError(f"{key}= is empty; name a folder for the outputs, e.g. {key}=outputs/NAME")
+    path = Path(str(value)).expanduser().absolute()
+    check_name_lengths(path, key, f"choose a shorter {key}=")
+    return path
+
+
+def check_name_lengths(path: Path, what: str, fix: str) -> None:
+    """Each name on the path within the file system's limit (NAME_MAX, 255 bytes on Linux) and the
+    whole path within PATH_MAX: a longer one fails in the middle of making it (ENAMETOOLONG)."""
+    path = Path(path).absolute()
+    name_max = os.pathconf(path.anchor or "/", "PC_NAME_MAX")
+    long = next((name for name in path.parts if len(os.fsencode(name)) > name_max), None)
+    if long is not None:
+        shown = long if len(long) <= 40 else f"{long[:37]}..."
+        raise UserError(f"{what}: the name {shown} has {len(os.fsencode(long))} bytes, more than the file "
+                        f"system's {name_max}; {fix}")
+    path_max = os.pathconf(path.anchor or "/", "PC_PATH_MAX")
+    if len(os.fsencode(str(path))) >= path_max:
+        raise UserError(f"{what}: the path has {len(os.fsencode(str(path)))} bytes, more than the file "
+                        f"system's {path_max - 1}; {fix}")
+
+
 def nearest_existing(path: Path) -> Path:
     """`path` itself when it exists, else its closest existing ancestor (what mkdir would write into)."""
     probe = Path(path).absolute()
@@ -36,8 +63,9 @@ def nearest_existing(path: Path) -> Path:
 def check_writable_dir(path: Path, what: str, fix: str) -> None:
     """Refuse a folder that cannot be made and written, before anything is written: a file where a
     folder is needed (the path itself or a parent), a nearest existing folder that refuses writes
-    (permissions, an immutable folder, a read-only mount), or a full disk. `what` names the setting
+    (permissions, an immutable folder, a read-only mount), a name too long, or a full disk. `what` names the setting
     (e.g. "hydra.run.dir=/x/run"), `fix` how to choose another (e.g. "choose another hydra.run.dir=")."""
+    check_name_lengths(path, what, fix)
     probe = nearest_existing(path)
     if not probe.is_dir():
         raise UserError(f"{what}: {probe} is a file, not a folder; {fix}")
@@ -64,7 +92,7 @@ def write_errors_as_user_errors(folder: Path, fix: str) -> Iterator[None]:
     of `folder` that this block created is removed again, so a failed start leaves nothing behind.
     Other errors pass through unchanged."""
     folder = Path(folder).absolute()
-    created = _first_missing(folder)
+    created = first_missing(folder)
     try:
         yield
     except OSError as err:
@@ -78,7 +106,7 @@ def write_errors_as_user_errors(folder: Path, fix: str) -> Iterator[None]:
         raise UserError(f"cannot write into {folder}{target}: {err.strerror}; {fix}") from None
 
 
-def _first_missing(folder: Path) -> Path | None:
+def first_missing(folder: Path) -> Path | None:
     """The outermost folder on the way to `folder` that does not exist yet (None if it exists)."""
     missing = None
     probe = folder

@@ -30,7 +30,7 @@ from trainer.preflight import check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
 from trainer.validation import validate
-from trainer.writable import write_errors_as_user_errors
+from trainer.writable import folder_setting, write_errors_as_user_errors
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
 # broadcast when the process group is up. The other ranks run Hydra in a scratch folder, silently.
@@ -55,17 +55,17 @@ def _single_run(overrides: list[str]) -> None:
         overrides = [*overrides, f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
     hydra_app, cfg = compose_run(overrides)
     job_cfg = _without_hydra(cfg)
+    run_dir = folder_setting("hydra.run.dir", cfg.hydra.run.dir)
     if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
         validate(job_cfg)
         _raise_failure(_start_job(hydra_app, cfg))
         return
     world = requested_world(job_cfg)
-    run_dir = Path(cfg.hydra.run.dir).absolute()
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
         if check_run(job_cfg, run_dir, world) is RunDirState.FINISHED:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
-        check_mode(job_cfg, world)
+        check_launch(job_cfg, world)
         # A full disk or a refused write while Hydra sets the run up is one line, and what it made
         # is removed again; the run's own errors come back in the job's return value.
         with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
@@ -92,7 +92,7 @@ def _sweep(args: list[str], overrides: list[str]) -> None:
     for point in sweep_points(overrides):
         cfg = compose(point)
         validate(cfg)
-        check_mode(cfg, requested_world(cfg))
+        check_launch(cfg, requested_world(cfg))
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     try:
         _hydra_main(args)
@@ -121,16 +121,13 @@ def _scratch_dir() -> str:
     return scratch
 
 
-def check_mode(cfg, world: int) -> None:
-    """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
-    # trainer.parallel imports torch: only once the checks that need no torch have passed
-    from trainer.parallel import strategy_class
+def check_launch(cfg, world: int) -> None:
+    """The checks that need torch (mode, device, resume's model, tracker credentials), still before
+    anything is written."""
+    # trainer.launch_checks imports torch: only once the checks that need no torch have passed
+    from trainer.launch_checks import check_launch as check_with_torch
 
-    strategy = strategy_class(cfg.parallel.mode)
-    strategy.check_world(world)
-    advice = strategy.world_advice(world)
-    if advice:
-        Console(stderr=True).print(f"[yellow]{advice}[/]")
+    check_with_torch(cfg, world)
 
 
 def train_job(cfg) -> float:
@@ -160,8 +157,7 @@ def run_training(cfg, run_dir: Path, checked: bool) -> dict:
         return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
                            stop_signals=True)
     with RunDirLock(run_dir) as lock:
-        if preflight(cfg, run_dir, world, lock) is RunDirState.FINISHED:
+        if preflight(cfg, run_dir, world, lock, check_launch) is RunDirState.FINISHED:
             return {}
-        check_mode(cfg, world)
         return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
                            stop_signals=True)

@@ -48,6 +48,7 @@ from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
 from trainer.data.tokenizer import EOT, VOCAB_SIZE
 from trainer.errors import DataError
 from trainer.io import sha256_file
+from trainer.writable import check_writable_dir, first_missing, write_errors_as_user_errors
 
 SETTINGS_KEYS = (
     "source",
@@ -158,13 +159,28 @@ def _num_proc(cfg: DictConfig) -> int:
 
 @contextlib.contextmanager
 def _locked(root: Path):
-    """One prepare per dataset folder at a time (ranks or shells racing each other wait here)."""
-    with open(root / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """One prepare per dataset folder at a time (ranks or shells racing each other wait here). The
+    lock file goes again with the prepare that made it, so a folder is left as it was found; a
+    waiter that then holds the lock of a removed file takes the lock again on the current one."""
+    path = root / ".lock"
+    while True:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fd, made = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), True
+        except FileExistsError:
+            fd, made = os.open(path, os.O_WRONLY | os.O_CREAT), False
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        if made:
+            path.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock
 
 
 def _publish(root: Path, tmp: Path, manifest: dict) -> None:
@@ -213,22 +229,27 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
         raise DataError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     if cfg.max_tokens is not None and cfg.max_tokens < 1:
         raise DataError(f"data.max_tokens={cfg.max_tokens} must be at least 1 (or null for all)")
+    check_writable_dir(root, f"data.dir={cfg.dir}", "set data.dir to a writable folder")
+    made = first_missing(root)  # removed again when this prepare fails: a failure leaves nothing
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create {root} ({e.strerror}); set data.dir to a writable folder") from e
-    with _locked(root):
-        if not force and _up_to_date(cfg):  # someone else just did it
-            return root / MANIFEST
-        for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        source = sources.open_source(cfg)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
-        try:
-            manifest = _build(cfg, source, tmp, progress)
-            _publish(root, tmp, manifest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with write_errors_as_user_errors(root, "set data.dir to a writable folder"):
+            root.mkdir(parents=True, exist_ok=True)
+            with _locked(root):
+                if not force and _up_to_date(cfg):  # someone else just did it
+                    return root / MANIFEST
+                for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
+                    shutil.rmtree(stale, ignore_errors=True)
+                source = sources.open_source(cfg)
+                tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
+                try:
+                    manifest = _build(cfg, source, tmp, progress)
+                    _publish(root, tmp, manifest)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     return root / MANIFEST
 
 
@@ -255,8 +276,9 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
                 break
     writer.close()
     total = writer.total
-    if total == 0:
-        raise DataError(f"dataset {cfg.name!r} has no text (source {source.description}); check data.source")
+    if total == documents:  # nothing but the end-of-text token before each (empty) document
+        raise DataError(f"dataset {cfg.name!r} has no text (source {source.description}: {documents} empty "
+                        "document(s)); check data.source")
     n_val = int(round(total * cfg.val_fraction))
     if cfg.val_fraction > 0:
         n_val = max(1, n_val)

