@@ -90,7 +90,7 @@ def test_report_without_matplotlib_says_how_to_install_it(run_dir, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ([], "give at least one run"),
-    (["/nonexistent/run"], "is not a directory"),
+    (["/nonexistent/run"], "does not exist"),
     (["A", "B"], "choose where the figures go with --out"),
     (["--bogus"], "unknown flag"),
 ])

@@ -60,6 +60,11 @@ def nearest_existing(path: Path) -> Path:
     return probe
 
 
+def not_a_folder(path: Path) -> str:
+    """Why `path` is no folder, for an error line: a file where a folder is expected says so."""
+    return "is a file, not a folder" if Path(path).exists() else "does not exist"
+
+
 def check_writable_dir(path: Path, what: str, fix: str) -> None:
     """Refuse a folder that cannot be made and written, before anything is written: a file where a
     folder is needed (the path itself or a parent), a nearest existing folder that refuses writes

@@ -23,6 +23,7 @@ from trainer.checkpoint.hf_llama import LLAMA_TYPES, file_key, llama_parts, llam
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_step, is_complete, resolve_checkpoint
 from trainer.config import CONF_DIR, ModelConfig, mlp_width
 from trainer.errors import CheckpointError, ConfigError
+from trainer.writable import not_a_folder
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"  # trainer.checkpoint.hf.WEIGHTS_FILE (that module needs torch)
@@ -72,8 +73,8 @@ def find_init_source(spec: str) -> InitSource:
     """The source PATH names and its shape; CheckpointError when it is none of the three kinds."""
     path = Path(spec).expanduser()
     label = f"model.init_from={spec}"
-    if not path.exists():
-        raise CheckpointError(f"{label} does not exist; pass {KINDS}")
+    if not path.is_dir():
+        raise CheckpointError(f"{label} {not_a_folder(path)}; pass {KINDS}")
     if path.is_dir() and hf_weight_files(path) and not is_complete(path):
         return InitSource(spec, path, "hf", _hf_shape(path, label))
     if not (is_complete(path) or checkpoint_step(path) is not None or (path / CHECKPOINT_DIR).is_dir()):

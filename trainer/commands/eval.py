@@ -51,6 +51,7 @@ from trainer.parallel import make_strategy, strategy_class
 from trainer.rundir import read_config_record
 from trainer.runtime import init_runtime
 from trainer.validation import check_ranges
+from trainer.writable import not_a_folder
 
 RESULT_FILE = "eval_hellaswag.json"
 HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters",
@@ -115,7 +116,7 @@ def _run_dir_and_overrides(parser: ArgParser, args) -> tuple[Path, list[str]]:
         parser.error(f"takes one run directory (the argument without '='), got {len(positional)}")
     run_dir = Path(positional[0]).expanduser().absolute()
     if not run_dir.is_dir():
-        parser.error(f"run directory {run_dir} does not exist")
+        parser.error(f"run directory {run_dir} {not_a_folder(run_dir)}")
     return run_dir, overrides
 
 

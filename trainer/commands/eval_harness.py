@@ -38,6 +38,7 @@ from trainer.checkpoint.weights import (
 )
 from trainer.config import LaunchConfig, from_dict, to_dict
 from trainer.errors import ConfigError, UserError
+from trainer.evals.hub import hub_unreachable
 from trainer.evals.shards import Shards
 from trainer.io import write_atomic
 from trainer.launch import run_workers
@@ -45,7 +46,7 @@ from trainer.model import build_model
 from trainer.results import HARNESS_FILE, harness_table, table_console
 from trainer.rundir import read_config_record
 from trainer.runtime import init_runtime
-from trainer.writable import check_writable_dir, write_errors_as_user_errors
+from trainer.writable import check_writable_dir, not_a_folder, write_errors_as_user_errors
 
 INSTALL = "pip install 'dtrain[harness]'"
 DEFAULT_BATCH_SIZE = 8
@@ -82,7 +83,8 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(f"--tasks runs EleutherAI's lm-evaluation-harness, which is not installed: {INSTALL}")
     if args.include_path is not None and not Path(args.include_path).is_dir():
-        raise ConfigError(f"--include-path {args.include_path} is not a folder (of task YAML files)")
+        raise ConfigError(f"--include-path {args.include_path} {not_a_folder(args.include_path)}; "
+                          "pass a folder of task YAML files")
     device = _device(args.device or "auto")
     check_writable_dir(run_dir, f"the run directory {run_dir}", "make it writable")
     if args.step is not None:
@@ -92,9 +94,13 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
 
     # The harness (seconds to import) and its task index only now, after every check that needs neither;
     # the task names are checked before the weights are read.
+    offline = hub_unreachable()  # before the harness imports the Hub's clients, which read it
     from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
 
-    harness.check_tasks(tasks, harness.task_manager(args.include_path))
+    manager = harness.task_manager(args.include_path)
+    harness.check_tasks(tasks, manager)
+    if offline:  # the tasks' data from the cache, or one line now (not after the workers' retries)
+        harness.load_tasks(tasks, manager, offline)
     job = {"tasks": tasks, "run_dir": str(run_dir), "weights": str(weights), "device": str(device),
            "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
            "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples),

@@ -38,6 +38,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
+from trainer.writable import not_a_folder
 
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
@@ -75,7 +76,7 @@ def parse_args(argv: list[str]) -> tuple[list[Path], Path | None]:
 def find_runs(path: Path) -> list[Path]:
     """The run directories under PATH: PATH itself, or the points of a sweep directory."""
     if not path.is_dir():
-        raise UserError(f"{path} is not a directory; give a run directory (it holds {METRICS_FILE}) "
+        raise UserError(f"{path} {not_a_folder(path)}; give a run directory (it holds {METRICS_FILE}) "
                         "or a sweep directory (its subfolders are runs)")
     if (path / METRICS_FILE).exists():
         return [path]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.tasks import TaskManager
+from lm_eval.tasks import TaskManager, get_task_dict
 
 from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import ConfigError, UserError
@@ -237,6 +237,17 @@ def check_tasks(tasks: list[str], manager: TaskManager) -> None:
     if unknown:
         raise ConfigError(f"unknown harness task(s) {', '.join(unknown)}; `lm-eval ls tasks` lists the built-in "
                           "ones, and --include-path DIR adds a folder of task YAMLs")
+
+
+def load_tasks(tasks: list[str], manager: TaskManager, offline: str) -> None:
+    """Build the tasks, which loads their data: with the Hub out of reach (`offline` says why, and
+    its clients are set offline), from the cache or a UserError at once."""
+    try:
+        get_task_dict(tasks, manager)
+    except ConnectionError:
+        raise UserError(f"a task's data is not in the cache (~/.cache/huggingface) and the Hugging Face Hub "
+                        f"is out of reach ({offline}); run it once with network access, or use local task "
+                        "YAMLs with --include-path") from None
 
 
 def evaluate(lm: DtrainLM, tasks: list[str], manager: TaskManager, limit: float | None = None,
