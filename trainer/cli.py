@@ -22,7 +22,7 @@ COMMANDS = {
     "prepare": "tokenize a dataset into token shards: dtrain prepare data=NAME",
     "sample": "generate text from a trained run: dtrain sample RUN_DIR",
     "eval": "HellaSwag accuracy of a run's checkpoint: dtrain eval RUN_DIR (--tasks T1,T2: lm-eval-harness)",
-    "export": "write model.safetensors + config.json (HF GPT-2 names)",
+    "export": "write a Hugging Face model folder (GPT-2, Llama or Qwen3): weights, config, tokenizer",
     "report": "plots and a summary table of runs or a sweep dir",
     "plan": "estimate per-rank memory and the largest micro batch that fits",
 }
