@@ -237,7 +237,7 @@ def test_task_data_that_cannot_be_fetched_is_one_line(run_dir, tasks_dir, tmp_pa
     (["--tasks", "x", "launch.threads_per_worker=two"], "a number of CPU threads per worker"),
     (["--tasks", "x", "--step", "3", "ckpt=/x"], "not both"),
     (["--tasks", "x", "--limit", "2.5"], "a whole number"),
-    (["--tasks", "x", "--include-path", "/nonexistent"], "is not a folder"),
+    (["--tasks", "x", "--include-path", "/nonexistent"], "/nonexistent does not exist"),
     (["--tasks", "x", "--device", "tpu9"], "--device"),
     (["--tasks", "x", "--batch-size", "0"], "--batch-size"),
 ])

@@ -245,9 +245,9 @@ def load_tasks(tasks: list[str], manager: TaskManager, offline: str) -> None:
     try:
         get_task_dict(tasks, manager)
     except ConnectionError:
-        raise UserError(f"a task's data is not in the cache (~/.cache/huggingface) and the Hugging Face Hub "
-                        f"is out of reach ({offline}); run it once with network access, or use local task "
-                        "YAMLs with --include-path") from None
+        raise UserError(f"the harness could not fetch a task's data: it is not in the cache (~/.cache/huggingface) "
+                        f"and the Hugging Face Hub is out of reach ({offline}); run it once with network "
+                        "access, or use local task YAMLs with --include-path") from None
 
 
 def evaluate(lm: DtrainLM, tasks: list[str], manager: TaskManager, limit: float | None = None,
