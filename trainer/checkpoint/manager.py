@@ -128,9 +128,7 @@ class Checkpointer:
         """Load model, optimizer, counters, loader position and RNG states when resuming."""
         # Rank 0 checks the checkpoint once; the other ranks take its index and state from it.
         choice = self.rt.from_main(self._choose, error=CheckpointError)
-        if choice is None:  # a fresh run: its first checkpoint is at least the weights
-            weights = state_bytes(run.strategy.model_state_dict(run.model))
-            self._check_room(sum(self.rt.all_gather_object(weights)), "at the start (nothing trained yet)")
+        if choice is None:
             return
         path, metadata, saved = choice
         ckpt = Path(path)
@@ -163,7 +161,15 @@ class Checkpointer:
         self._say(f"resuming from {ckpt} (step {state.step})")
         if self.rt.is_main:
             self.last_bytes = folder_bytes(ckpt)
-        self._check_room(self.last_bytes, f"at the start (nothing trained since {ckpt.name})")
+
+    def check_room_at_start(self, run) -> None:
+        """Before the first step: room for a checkpoint as large as the one resumed, or for a fresh
+        run's weights at least (its optimizer state appears at the first step)."""
+        if self.resumed_from is not None:
+            self._check_room(self.last_bytes, f"at the start (nothing trained since {self.resumed_from.name})")
+            return
+        weights = state_bytes(run.strategy.model_state_dict(run.model))
+        self._check_room(sum(self.rt.all_gather_object(weights)), "at the start (nothing trained yet)")
 
     # --- save ---
     def after_step(self, run, last: bool) -> bool:
@@ -174,18 +180,19 @@ class Checkpointer:
             return False
         final = self.save(run, wait=last)
         if not last:  # room for the next one, or stop now: no step is trained that could not be saved
-            pending = self.pending[1] if self.pending is not None else None
-            self._check_room(self.last_bytes, f"after saving {final.name} (stopping before training on)",
-                             pending=pending)
+            pending = self.pending[1] if self.pending is not None else None  # published on the way out
+            self._check_room(self.last_bytes, f"after saving {final.name} (stopped before training on)",
+                             pending=pending, newest=final)
         return True
 
-    def _check_room(self, need: int, when: str, pending: Path | None = None, remove: bool = False) -> None:
+    def _check_room(self, need: int, when: str, pending: Path | None = None, remove: bool = False,
+                    newest: Path | None = None) -> None:
         """Every rank: room for a checkpoint of `need` bytes (trainer/checkpoint/space.py), else one
         CheckpointError line on every rank. `remove`: just before a save, what retention would
         remove after it anyway goes first if that makes room."""
         problem = None
         if self.rt.is_main:
-            newest = latest_checkpoint(self.root) or self.resumed_from
+            newest = newest or latest_checkpoint(self.root) or self.resumed_from
             problem = make_room(self.root, need, self.keep, when, newest, pending, self._say if remove else None)
         self.rt.agree(problem, CheckpointError)
 

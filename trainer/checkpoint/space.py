@@ -82,7 +82,8 @@ def check_space_at_start(run_dir: Path, keep: int) -> None:
         return  # a fresh run: the worker checks the model's size once it is built
     problem, _ = room_problem(Path(run_dir) / CHECKPOINT_DIR, folder_bytes(newest), keep)
     if problem:
-        raise CheckpointError(f"{problem}; {room_advice(keep)}")
+        raise CheckpointError(f"{problem}, at the start (nothing trained; the newest checkpoint {newest} is "
+                              f"intact); {room_advice(keep)}")
 
 
 def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, pending: Path | None = None,
