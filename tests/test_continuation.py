@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import corpus_text, run_dtrain, tiny_args, train_losses
 from test_checkpoint import one_line_error, start_dtrain, wait_for
+from test_rundir import snapshot
 from test_signals import finish, logged
 
 from trainer.checkpoint.layout import list_checkpoints
@@ -36,11 +37,6 @@ def stopped_run(args: list[str], run_dir: Path, log: Path, after_steps: int = 3)
     assert proc.returncode == 143, text[-3000:]
     (stopped,) = list_checkpoints(run_dir / "checkpoints")
     return int(stopped.name.split("_")[1])
-
-
-def snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory (a refused command must change none)."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
 def with_data(args: list[str], name: str) -> list[str]:

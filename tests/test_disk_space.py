@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, run_dtrain, tiny_args, train_losses
 from test_checkpoint import one_line_error
-from test_continuation import snapshot
+from test_rundir import snapshot
 
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.checkpoint.space import folder_bytes

@@ -51,7 +51,8 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
         open_split(cfg.data, "val")
     if state is RunDirState.CONTINUE and cfg.resume == "auto" and restart_count() == 0:
         check_continuation(cfg, run_dir, world)  # the global batch and the data it trained with
-    check_space_at_start(run_dir, cfg.checkpoint.keep)
+    if state is not RunDirState.FINISHED:
+        check_space_at_start(run_dir, cfg.checkpoint.keep)
     if cfg.train.sample_tokens > 0:
         gpt2_encoding()
     for name in tracker_names(cfg.logger):

@@ -40,6 +40,10 @@ def identity_changes(was: dict, now: dict) -> list[str]:
         elif (old.get("tokens"), old.get("shards")) == (new.get("tokens"), new.get("shards")):
             changes.append(f"{split} split: as many tokens ({new['tokens']:,}), other ones (checksums differ)")
         else:
-            changes.append(f"{split} split: {old.get('tokens', 0):,} tokens in {old.get('shards')} shards then, "
-                           f"{new['tokens']:,} in {new['shards']} now")
+            changes.append(f"{split} split: {old.get('tokens', 0):,} tokens in {_shards(old.get('shards'))} then, "
+                           f"{new['tokens']:,} in {_shards(new['shards'])} now")
     return changes
+
+
+def _shards(n) -> str:
+    return f"{n} shard{'' if n == 1 else 's'}"
