@@ -53,25 +53,26 @@ def retired_early(root: Path, keep: int, pending: Path | None = None) -> list[Pa
     return existing[: max(0, len(existing) - max(1, keep - 1))]
 
 
-def room_problem(root: Path, need: int, keep: int, pending: Path | None = None) -> tuple[str | None, list[Path]]:
-    """(None, checkpoints to remove first (maybe none)) when the next checkpoint of `need` bytes
-    fits, else (the one-line problem, [])."""
+def room_problem(root: Path, need: int, keep: int, pending: Path | None = None) -> tuple[str | None, list[Path], str]:
+    """(None, checkpoints to remove first (maybe none), "") when the next checkpoint of `need` bytes
+    fits, else (the problem, [], the advice that works)."""
     need += MARGIN_BYTES
     free = free_bytes(root)
     if free >= need:
-        return None, []
+        return None, [], ""
     early = retired_early(root, keep, pending)
     reclaim = sum(folder_bytes(p) for p in early)
     if free + reclaim >= need:
-        return None, early
+        return None, early, ""
     freed = f" (+{reclaim:,} in older checkpoints that checkpoint.keep={keep} lets go first)" if early else ""
+    at_keep_1 = free + sum(folder_bytes(p) for p in retired_early(root, 1, pending))
+    if keep > 1 and at_keep_1 >= need:
+        advice = ("continue with checkpoint.keep=1 (the older checkpoints then go before the next save; "
+                  "the newest stays until it is replaced), or free space there")
+    else:
+        advice = f"free at least {need - max(at_keep_1, free + reclaim):,} more bytes there (or move the run directory)"
     return (f"not enough free space for the next checkpoint under {root}: it needs {need:,} bytes, "
-            f"{free:,} are free{freed}"), []
-
-
-def room_advice(keep: int) -> str:
-    lower = ", or lower checkpoint.keep (1 needs room for two checkpoints)" if keep > 1 else ""
-    return f"free space there (or move the run directory){lower}; the same command then continues"
+            f"{free:,} are free{freed}"), [], advice
 
 
 def check_space_at_start(run_dir: Path, keep: int) -> None:
@@ -80,10 +81,10 @@ def check_space_at_start(run_dir: Path, keep: int) -> None:
     newest = latest_checkpoint(run_dir)
     if newest is None:
         return  # a fresh run: the worker checks the model's size once it is built
-    problem, _ = room_problem(Path(run_dir) / CHECKPOINT_DIR, folder_bytes(newest), keep)
+    problem = make_room(Path(run_dir) / CHECKPOINT_DIR, folder_bytes(newest), keep, "at the start (nothing trained)",
+                        newest)
     if problem:
-        raise CheckpointError(f"{problem}, at the start (nothing trained; the newest checkpoint {newest} is "
-                              f"intact); {room_advice(keep)}")
+        raise CheckpointError(problem)
 
 
 def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, pending: Path | None = None,
@@ -92,7 +93,7 @@ def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, 
     `when` and `newest`. `say` (just before a save): remove what retention lets go first if that
     makes room, saying so."""
     try:
-        problem, early = room_problem(root, need, keep, pending)
+        problem, early, advice = room_problem(root, need, keep, pending)
     except OSError:
         return None  # a folder that cannot be read: the save itself says why
     if say is not None:
@@ -101,4 +102,5 @@ def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, 
             remove_checkpoint(path)
     if problem is None:
         return None
-    return f"{problem}, {when}; the newest checkpoint is {newest or 'none'}; {room_advice(keep)}"
+    newest_text = f"the newest checkpoint {newest} is intact" if newest else "no checkpoint was written yet"
+    return f"{problem}, {when}; {newest_text}; {advice}; the same command then continues"
