@@ -144,10 +144,12 @@ class StopSignals:
         os._exit(128 + signum)  # nobody waits for this worker any more
 
     def _direct(self, signum, _frame) -> None:
+        first = not self.signum  # before the wait below: the driver's relay of this very signal may land in it
         if self._driver_died(signum):
             self._exit_orphaned(signum)
-        if not self.signum:
-            self._first(signum)
+        if first:
+            if not self.signum:
+                self._first(signum)
             return
         if self.rank == 0 and not self.relayed_by_driver:  # dtrain's driver reports it itself
             _say(f"second signal ({_name(signum)}): stopping at once without saving; exiting with {128 + signum}")

@@ -182,18 +182,18 @@ class Checkpointer:
         if not last:  # room for the next one, or stop now: no step is trained that could not be saved
             pending = self.pending[1] if self.pending is not None else None  # published on the way out
             self._check_room(self.last_bytes, f"after saving {final.name} (stopped before training on)",
-                             pending=pending, newest=final)
+                             pending=pending, newest=final, step=step)
         return True
 
     def _check_room(self, need: int, when: str, pending: Path | None = None, remove: bool = False,
-                    newest: Path | None = None) -> None:
+                    newest: Path | None = None, step: int | None = None) -> None:
         """Every rank: room for a checkpoint of `need` bytes (trainer/checkpoint/space.py), else one
         CheckpointError line on every rank. `remove`: just before a save, what retention would
         remove after it anyway goes first if that makes room."""
         problem = None
         if self.rt.is_main:
             newest = newest or latest_checkpoint(self.root) or self.resumed_from
-            problem = make_room(self.root, need, self.keep, when, newest, pending, self._say if remove else None)
+            problem = make_room(self.root, need, self.keep, when, newest, pending, self._say if remove else None, step)
         self.rt.agree(problem, CheckpointError)
 
     def save(self, run, wait: bool = True) -> Path:
@@ -221,7 +221,7 @@ class Checkpointer:
                 f"is {previous or 'none (no checkpoint was written)'}; lower optim.lr, or see train.on_nonfinite"
             )
         self.last_bytes = sum(g["bytes"] for g in gathered)
-        self._check_room(self.last_bytes, f"before saving {name} (not written)", remove=True)
+        self._check_room(self.last_bytes, f"before saving {name} (not written)", remove=True, step=step)
         problem = None
         if self.rt.is_main:
             try:

@@ -15,7 +15,14 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.checkpoint.layout import CHECKPOINT_DIR, DEL_PREFIX, TMP_PREFIX, latest_checkpoint, list_checkpoints
+from trainer.checkpoint.layout import (
+    CHECKPOINT_DIR,
+    DEL_PREFIX,
+    TMP_PREFIX,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from trainer.errors import CheckpointError
 from trainer.writable import nearest_existing
 
@@ -46,26 +53,30 @@ def free_bytes(root: Path) -> int:
     return shutil.disk_usage(nearest_existing(root)).free
 
 
-def retired_early(root: Path, keep: int, pending: Path | None = None) -> list[Path]:
+def retired_early(root: Path, keep: int, pending: Path | None = None, step: int | None = None) -> list[Path]:
     """The checkpoints under `root` that retention removes after the next save anyway, never the
-    newest: those may go before it is written. `pending`: a save not yet published (the newest)."""
-    existing = list_checkpoints(root) + ([pending] if pending is not None else [])
-    return existing[: max(0, len(existing) - max(1, keep - 1))]
+    newest: those may go before it is written. `pending`: a save not yet published (the newest);
+    `step`: the run's step, past which checkpoints belong to an abandoned continuation."""
+    done = list_checkpoints(root)
+    abandoned = [p for p in done if step is not None and (checkpoint_step(p) or 0) > step]
+    existing = [p for p in done if p not in abandoned] + ([pending] if pending is not None else [])
+    return abandoned + existing[: max(0, len(existing) - max(1, keep - 1))]
 
 
-def room_problem(root: Path, need: int, keep: int, pending: Path | None = None) -> tuple[str | None, list[Path], str]:
+def room_problem(root: Path, need: int, keep: int, pending: Path | None = None,
+                 step: int | None = None) -> tuple[str | None, list[Path], str]:
     """(None, checkpoints to remove first (maybe none), "") when the next checkpoint of `need` bytes
     fits, else (the problem, [], the advice that works)."""
     need += MARGIN_BYTES
     free = free_bytes(root)
     if free >= need:
         return None, [], ""
-    early = retired_early(root, keep, pending)
+    early = retired_early(root, keep, pending, step)
     reclaim = sum(folder_bytes(p) for p in early)
     if free + reclaim >= need:
         return None, early, ""
     freed = f" (+{reclaim:,} in older checkpoints that checkpoint.keep={keep} lets go first)" if early else ""
-    at_keep_1 = free + sum(folder_bytes(p) for p in retired_early(root, 1, pending))
+    at_keep_1 = free + sum(folder_bytes(p) for p in retired_early(root, 1, pending, step))
     if keep > 1 and at_keep_1 >= need:
         advice = ("continue with checkpoint.keep=1 (the older checkpoints then go before the next save; "
                   "the newest stays until it is replaced), or free space there")
@@ -88,12 +99,12 @@ def check_space_at_start(run_dir: Path, keep: int) -> None:
 
 
 def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, pending: Path | None = None,
-              say: Callable[[str], None] | None = None) -> str | None:
+              say: Callable[[str], None] | None = None, step: int | None = None) -> str | None:
     """Rank 0 of a run: None when a checkpoint of `need` bytes fits, else the one-line problem naming
     `when` and `newest`. `say` (just before a save): remove what retention lets go first if that
     makes room, saying so."""
     try:
-        problem, early, advice = room_problem(root, need, keep, pending)
+        problem, early, advice = room_problem(root, need, keep, pending, step)
     except OSError:
         return None  # a folder that cannot be read: the save itself says why
     if say is not None:
