@@ -45,6 +45,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.mark.slow
 def test_full_disk_stops_after_a_save_and_keep_1_continues(data_dir, small_disk, tmp_path):
     reference = tmp_path / "reference"
     run_dtrain(tiny_args(data_dir, reference, *ARGS), check=True)

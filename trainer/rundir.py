@@ -224,4 +224,3 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
