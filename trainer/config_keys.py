@@ -24,6 +24,11 @@ TRAJECTORY = (
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
 )
 
+# Trajectory keys that a continuation compares by the global batch they make, not by their values:
+# the checkpoint records that batch, and another world size keeps it with another accumulation
+# (trainer/checkpoint/continuation.py), so giving the recorded total is no change of setting.
+BATCH_KEYS = ("train.total_batch_size", "train.grad_accum_steps")
+
 OPERATIONAL = (
     # launched: any world size and mode reshard the checkpoint; compile and activation
     # checkpointing change how the same steps run, not which

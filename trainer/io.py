@@ -92,3 +92,17 @@ def dotted_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def flock_holder(path: Path) -> int | None:
+    """The pid holding a flock on `path` (a file or folder), from /proc/locks (Linux), or None."""
+    try:
+        st = os.stat(path)
+        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+                return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    return None

@@ -181,6 +181,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     t = cfg.train
     if checkpointer is not None:
         checkpointer.restore(run)
+        checkpointer.check_room_at_start(run)
     if cfg.model.init_from:
         start_from_weights(run, cfg.model.init_from, checkpointer and checkpointer.resumed_from)
     state = run.state

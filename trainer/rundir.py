@@ -20,10 +20,10 @@ from typing import Any
 
 from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
-from trainer.config_keys import is_operational
+from trainer.config_keys import BATCH_KEYS, is_operational
 from trainer.env import restart_count
 from trainer.errors import UserError
-from trainer.io import dotted_keys, one_line, write_atomic
+from trainer.io import dotted_keys, flock_holder, one_line, write_atomic
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.writable import check_writable_dir
 
@@ -87,7 +87,10 @@ def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
             f"{now.get(steps_key)}: its learning-rate schedule depends on it; repeat "
             f"train.max_steps={was.get(steps_key)} to continue it, {on_purpose}, or choose another hydra.run.dir="
         )
-    differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not is_operational(k)]
+    # With a checkpoint, the batch keys are checked as the global batch it recorded (check_continuation).
+    by_batch = BATCH_KEYS if has_checkpoint(run_dir) else ()
+    differ = [k for k in sorted(set(was) | set(now))
+              if was.get(k) != now.get(k) and not is_operational(k) and k not in by_batch]
     if differ:
         shown = ", ".join(f"{k}={_short(was.get(k))} there vs {_short(now.get(k))}" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
@@ -179,6 +182,11 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.fd: int | None = None
+        self.held: list[int] = []  # other locks the run holds for its life (its dataset folder's)
+
+    def hold(self, fd: int) -> None:
+        """Keep `fd` (holding a lock) open until this lock is released."""
+        self.held.append(fd)
 
     def probe(self) -> RunDirLock:
         if self.fd is None and self.run_dir.is_dir():
@@ -196,7 +204,7 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            holder = _lock_holder(self.run_dir)
+            holder = flock_holder(self.run_dir)
             who = f" (pid {holder})" if holder else ""
             raise UserError(
                 f"run directory {self.run_dir} is in use by another dtrain run{who}; wait for it to end, "
@@ -205,6 +213,8 @@ class RunDirLock:
         self.fd = fd
 
     def release(self) -> None:
+        while self.held:
+            os.close(self.held.pop())
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -214,18 +224,3 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _lock_holder(path: Path) -> int | None:
-    """The pid holding a flock on `path`, from /proc/locks (Linux), or None."""
-    try:
-        st = os.stat(path)
-        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
-                return int(fields[4])
-    except (OSError, ValueError):
-        pass
-    return None
-

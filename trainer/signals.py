@@ -15,7 +15,8 @@ for them to save, and a second one kills them and exits at once. The relay is SI
 itself: a signal sent to the whole process group already reaches every worker, and a worker must
 not count the driver's copy as the second signal. Workers also exit on their own when the driver
 dies (kill -9): torch's spawn sends them SIGINT then, which the handler recognises by the changed
-parent pid, and a watchdog thread covers a main thread stuck inside a collective.
+parent pid or the launcher seen dying (zombie, SIGKILL pending), says so in one line and exits
+without claiming a save; a watchdog thread covers a main thread stuck inside a collective.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -38,9 +40,26 @@ RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop sign
 # adds SIGTERM and SIGINT): the stop signals are DriverSignals' to handle.
 ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 PARENT_POLL_S = 0.5
+# How long a worker's SIGINT waits to see whether its launcher is dying (kill -9) before it counts
+# as a stop request; a real stop is acted on at the next step boundary anyway.
+DEATH_GRACE_S = 0.3
 RELAY_PERIOD_S = 1.0
 
 _active: StopSignals | None = None
+
+
+def _dying(pid: int) -> bool:
+    """Process `pid` is gone, a zombie, or has a SIGKILL pending (a kill -9 that its threads are
+    still acting on)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("State", "").strip()[:1] in ("Z", "X"):
+        return True
+    sigkill = 1 << (signal.SIGKILL - 1)
+    return any(int(fields.get(name, "0").strip() or "0", 16) & sigkill for name in ("SigPnd", "ShdPnd"))
 
 
 def relay_of(signum: int) -> int:
@@ -102,11 +121,35 @@ class StopSignals:
     def _orphaned(self) -> bool:
         return self.parent is not None and os.getppid() != self.parent
 
+    def _driver_died(self, signum: int) -> bool:
+        """This signal is spawn's parent-death SIGINT: the launcher is dead or dying. The kernel
+        sends it when the thread that started this worker exits, which in a kill -9 can come before
+        the launcher's last thread is gone (getppid() still names it then): so a SIGINT under a
+        launcher waits briefly for the launcher to be seen dying before it counts as a stop request."""
+        if self.parent is None:
+            return False
+        if signum != signal.SIGINT:
+            return self._orphaned()
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            if self._orphaned() or _dying(self.parent):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+    def _exit_orphaned(self, signum: int) -> None:
+        _say(f"rank {self.rank}: the launcher (pid {self.parent}) died; exiting without saving (the same "
+             "command continues from the newest checkpoint)")
+        os._exit(128 + signum)  # nobody waits for this worker any more
+
     def _direct(self, signum, _frame) -> None:
-        if self._orphaned():
-            os._exit(128 + signum)  # spawn's parent-death SIGINT: the launcher is gone, nobody waits
-        if not self.signum:
-            self._first(signum)
+        first = not self.signum  # before the wait below: the driver's relay of this very signal may land in it
+        if self._driver_died(signum):
+            self._exit_orphaned(signum)
+        if first:
+            if not self.signum:
+                self._first(signum)
             return
         if self.rank == 0 and not self.relayed_by_driver:  # dtrain's driver reports it itself
             _say(f"second signal ({_name(signum)}): stopping at once without saving; exiting with {128 + signum}")
@@ -127,7 +170,7 @@ class StopSignals:
         stop = threading.Event()
         while not stop.wait(PARENT_POLL_S):
             if self._orphaned():
-                os._exit(128 + signal.SIGINT)  # as spawn's parent-death signal would have ended it
+                self._exit_orphaned(signal.SIGINT)  # as spawn's parent-death signal would have ended it
 
     # --- the step boundary ---
     def agreed(self, rt) -> int:

@@ -1,5 +1,6 @@
 """Whether a state's tensors are all finite: checked before a checkpoint is written (a diverged
-run's NaN weights are never saved) and after weights are read for eval, sample and export."""
+run's NaN weights are never saved) and after weights are read for eval, sample and export; and
+how many bytes they take (what a save is about to write)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def nonfinite_tensors(state) -> list[str]:
     for names, flags in by_device.values():  # one read per device (AdamW keeps `step` on the CPU)
         bad += [name for name, ok in zip(names, torch.stack(flags).tolist()) if not ok]
     return sorted(bad)
+
+
+def state_bytes(state) -> int:
+    """The bytes of a (nested) state dict's tensors on this rank (a DTensor: this rank's shard): what
+    this rank writes into a checkpoint, for the free-space check before a save."""
+    total = 0
+    for _, tensor in _tensors(state):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
 
 
 def describe_nonfinite(names: list[str]) -> str:

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
+from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors, state_bytes
 from trainer.checkpoint.integrity import checksum_files, marker_record, rank_files
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
@@ -40,8 +39,10 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
+from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
+from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, root_cause
 from trainer.config import to_dict
+from trainer.data.identity import data_identity
 from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
@@ -49,40 +50,6 @@ from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 
 def _json_float(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder: renamed out of the step_* namespace first, so a kill midway
-    never leaves a half-deleted folder that looks like a checkpoint."""
-    if not path.exists():
-        return
-    doomed = path
-    if not path.name.startswith((TMP_PREFIX, DEL_PREFIX)):
-        doomed = path.with_name(DEL_PREFIX + path.name)
-        if doomed.exists():
-            shutil.rmtree(doomed, ignore_errors=True)
-        path.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _nested_failure(err: BaseException) -> BaseException | None:
-    """The first per-rank exception inside DCP's CheckpointException, if any."""
-    if isinstance(err, CheckpointException):
-        for value in err.failures.values():
-            exc = value[0] if isinstance(value, tuple) else value
-            if isinstance(exc, BaseException):
-                return exc
-    return None
-
-
-def _root_cause(err: BaseException) -> BaseException:
-    """The innermost error inside DCP's wrappers (its CheckpointException names only the ranks)."""
-    for _ in range(10):
-        inner = _nested_failure(err) or err.__cause__
-        if inner is None:
-            break
-        err = inner
-    return err
 
 
 class Checkpointer:
@@ -114,7 +81,10 @@ class Checkpointer:
         # (the training continues meanwhile; measured in scripts/bench_checksum.py).
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-checksum")
         self.resumed_from: Path | None = None
+        # The identity of the data this run reads (rank 0 writes it into every checkpoint).
+        self.data = data_identity(cfg.data) if rt.is_main else None
         self.last_saved: Path | None = None  # the newest save of this process (published or in flight)
+        self.last_bytes = 0  # the bytes of the newest checkpoint (what the next one needs), on rank 0
 
     def _say(self, message: str) -> None:
         if self.rt.is_main:
@@ -171,7 +141,7 @@ class Checkpointer:
         try:
             dcp.load(template, storage_reader=SafeReader(ckpt))
         except DCP_ERRORS as err:
-            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(_root_cause(err))}") from None
+            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(root_cause(err))}") from None
         strategy.load_model_state_dict(model, template["model"])
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
 
@@ -189,6 +159,17 @@ class Checkpointer:
         set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], self.rt.device)
         self.resumed_from = ckpt
         self._say(f"resuming from {ckpt} (step {state.step})")
+        if self.rt.is_main:
+            self.last_bytes = folder_bytes(ckpt)
+
+    def check_room_at_start(self, run) -> None:
+        """Before the first step: room for a checkpoint as large as the one resumed, or for a fresh
+        run's weights at least (its optimizer state appears at the first step)."""
+        if self.resumed_from is not None:
+            self._check_room(self.last_bytes, f"at the start (nothing trained since {self.resumed_from.name})")
+            return
+        weights = state_bytes(run.strategy.model_state_dict(run.model))
+        self._check_room(sum(self.rt.all_gather_object(weights)), "at the start (nothing trained yet)")
 
     # --- save ---
     def after_step(self, run, last: bool) -> bool:
@@ -197,8 +178,23 @@ class Checkpointer:
         step = run.state.step
         if not (last or (self.interval and step % self.interval == 0)):
             return False
-        self.save(run, wait=last)
+        final = self.save(run, wait=last)
+        if not last:  # room for the next one, or stop now: no step is trained that could not be saved
+            pending = self.pending[1] if self.pending is not None else None  # published on the way out
+            self._check_room(self.last_bytes, f"after saving {final.name} (stopped before training on)",
+                             pending=pending, newest=final, step=step)
         return True
+
+    def _check_room(self, need: int, when: str, pending: Path | None = None, remove: bool = False,
+                    newest: Path | None = None, step: int | None = None) -> None:
+        """Every rank: room for a checkpoint of `need` bytes (trainer/checkpoint/space.py), else one
+        CheckpointError line on every rank. `remove`: just before a save, what retention would
+        remove after it anyway goes first if that makes room."""
+        problem = None
+        if self.rt.is_main:
+            newest = newest or latest_checkpoint(self.root) or self.resumed_from
+            problem = make_room(self.root, need, self.keep, when, newest, pending, self._say if remove else None, step)
+        self.rt.agree(problem, CheckpointError)
 
     def save(self, run, wait: bool = True) -> Path:
         """Write a checkpoint. A synchronous save is published before returning when `wait`, else
@@ -215,7 +211,7 @@ class Checkpointer:
         }
         # Every rank checks its own shards; the gather every save makes anyway tells all ranks.
         local = {"loader": run.train_loader.state_dict(), "rng": rng_state(self.rt.device),
-                 "nonfinite": nonfinite_tensors(tensors)}
+                 "nonfinite": nonfinite_tensors(tensors), "bytes": state_bytes(tensors)}
         gathered = self.rt.all_gather_object(local)
         bad = sorted({n for g in gathered for n in g.get("nonfinite", [])})
         if bad:  # nothing written: the newest checkpoint stays the newest finite one
@@ -224,6 +220,8 @@ class Checkpointer:
                 f"refusing to save checkpoint {name}: {describe_nonfinite(bad)}; the newest finite checkpoint "
                 f"is {previous or 'none (no checkpoint was written)'}; lower optim.lr, or see train.on_nonfinite"
             )
+        self.last_bytes = sum(g["bytes"] for g in gathered)
+        self._check_room(self.last_bytes, f"before saving {name} (not written)", remove=True, step=step)
         problem = None
         if self.rt.is_main:
             try:
@@ -245,7 +243,12 @@ class Checkpointer:
                 "last_loss": _json_float(s.last_loss),
                 "world": self.rt.world,
                 "parallel": self.cfg.parallel.mode,
+                # what a continuation must keep (trainer/checkpoint/continuation.py)
                 "total_batch_size": run.plan.total_batch_size,
+                "micro_batch_size": run.plan.micro_batch_size,
+                "seq_len": run.plan.seq_len,
+                "grad_accum_steps": run.plan.grad_accum_steps,
+                "data": self.data,
                 "time": time.time(),
                 "loaders": [g["loader"] for g in gathered],
                 "rng": [g["rng"] for g in gathered],
@@ -305,7 +308,7 @@ class Checkpointer:
         return CheckpointError(message)
 
     def _save_problem(self, tmp: Path, err: BaseException) -> str:
-        cause = _root_cause(err)
+        cause = root_cause(err)
         previous = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         name = tmp.name.removeprefix(TMP_PREFIX)
@@ -337,7 +340,7 @@ class Checkpointer:
         write_durable(tmp / MARKER, json.dumps(marker))
         fsync_dir(tmp)
         if final.exists():
-            _remove(final)  # the same step from an abandoned continuation (a resume from older)
+            remove_checkpoint(final)  # the same step from an abandoned continuation (a resume from older)
         tmp.rename(final)
         fsync_dir(self.root)
         self._retain(step)
@@ -350,7 +353,7 @@ class Checkpointer:
         current = [p for p in done if checkpoint_step(p) <= step]
         for path in abandoned + current[: max(0, len(current) - self.keep)]:
             try:
-                _remove(path)
+                remove_checkpoint(path)
             except OSError as err:
                 self._say(f"could not remove old checkpoint {path}: {first_line(err)}")
 

@@ -214,3 +214,23 @@ def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple[Metadata, dict, dic
         check_model_config(ckpt, cfg, model_cfg)
     check_files(ckpt, metadata)
     return metadata, state, cfg
+
+
+def nested_failure(err: BaseException) -> BaseException | None:
+    """The first per-rank exception inside DCP's CheckpointException, if any."""
+    if isinstance(err, CheckpointException):
+        for value in err.failures.values():
+            exc = value[0] if isinstance(value, tuple) else value
+            if isinstance(exc, BaseException):
+                return exc
+    return None
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The innermost error inside DCP's wrappers (its CheckpointException names only the ranks)."""
+    for _ in range(10):
+        inner = nested_failure(err) or err.__cause__
+        if inner is None:
+            break
+        err = inner
+    return err

@@ -62,7 +62,7 @@ def _single_run(overrides: list[str]) -> None:
         return
     world = requested_world(job_cfg)
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
-        if check_run(job_cfg, run_dir, world) is RunDirState.FINISHED:
+        if check_run(job_cfg, run_dir, world, lock) is RunDirState.FINISHED:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
         check_launch(job_cfg, world)

@@ -42,6 +42,7 @@ from rich.progress import (
 
 from trainer.config import DataConfig
 from trainer.data import sources
+from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
 from trainer.data.shard_writer import StreamWriter, split_stream
 from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
@@ -237,15 +238,16 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
             with _locked(root):
                 if not force and _up_to_date(cfg):  # someone else just did it
                     return root / MANIFEST
-                for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
-                    shutil.rmtree(stale, ignore_errors=True)
-                source = sources.open_source(cfg)
-                tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
-                try:
-                    manifest = _build(cfg, source, tmp, progress)
-                    _publish(root, tmp, manifest)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                with rewriting(root, "prepare into another data.name="):  # never under a live run's feet
+                    for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
+                        shutil.rmtree(stale, ignore_errors=True)
+                    source = sources.open_source(cfg)
+                    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".prepare-"))
+                    try:
+                        manifest = _build(cfg, source, tmp, progress)
+                        _publish(root, tmp, manifest)
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

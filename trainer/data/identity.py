@@ -1,0 +1,49 @@
+"""What data a run trains on, as its checkpoints record it: per split, the token count, the number
+of shards and one digest over the manifest's shard checksums and sizes. The same text prepared with
+the same settings again has the same identity; other text does not. Torch-free (the run-directory
+checks compare it before torch is imported)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from trainer.data.layout import MANIFEST, dataset_dir
+from trainer.data.prepare import as_data_cfg, load_manifest
+
+
+def data_identity(data_cfg) -> dict | None:
+    """{split: {"tokens", "shards", "sha256"}} of the prepared dataset, or None when it has no manifest."""
+    manifest = load_manifest(dataset_dir(as_data_cfg(data_cfg)) / MANIFEST)
+    if manifest is None:
+        return None
+    return {split: _split_identity(entries) for split, entries in sorted(manifest["splits"].items())}
+
+
+def _split_identity(entries: list[dict]) -> dict:
+    digest = hashlib.sha256()
+    for entry in entries:
+        digest.update(f"{int(entry['tokens'])}:{entry.get('sha256', '')}\n".encode())
+    return {"tokens": sum(int(e["tokens"]) for e in entries), "shards": len(entries),
+            "sha256": digest.hexdigest()}
+
+
+def identity_changes(was: dict, now: dict) -> list[str]:
+    """One phrase per split whose identity differs, e.g. "train split: 301,204 tokens in 1 shard
+    then, 250,116 in 1 now"; empty when the data is the same."""
+    changes = []
+    for split in sorted(set(was) | set(now)):
+        old, new = was.get(split), now.get(split)
+        if old == new:
+            continue
+        if old is None or new is None:
+            changes.append(f"{split} split {'added' if old is None else 'gone'}")
+        elif (old.get("tokens"), old.get("shards")) == (new.get("tokens"), new.get("shards")):
+            changes.append(f"{split} split: as many tokens ({new['tokens']:,}), other ones (checksums differ)")
+        else:
+            changes.append(f"{split} split: {old.get('tokens', 0):,} tokens in {_shards(old.get('shards'))} then, "
+                           f"{new['tokens']:,} in {_shards(new['shards'])} now")
+    return changes
+
+
+def _shards(n) -> str:
+    return f"{n} shard{'' if n == 1 else 's'}"
