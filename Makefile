@@ -5,11 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 TORCH_PIN := torch==2.13.0
+# The oldest torch dtrain supports (pyproject.toml's floor); make test-compat runs the compat tier on it.
+COMPAT_VENV ?= .venv-compat
+TORCH_FLOOR := torch==2.11.0
 EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup train sweep report test lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
+.PHONY: help setup setup-compat train sweep report test test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -21,6 +24,14 @@ $(VENV)/.installed: pyproject.toml
 	# torch first and pinned: an unpinned resolve on a CPU machine pulls GBs of CUDA wheels
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+setup-compat: $(COMPAT_VENV)/.installed ## make .venv-compat: the floor torch (2.11.0, PyPI's default build) and what the compat tier needs
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet $(TORCH_FLOOR)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e '.[export]' 'pytest>=8'
 	touch $@
 
 train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, < 5 min on 2 cores)
@@ -42,6 +53,9 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 
 test: setup ## run the test suite (real multi-process gloo tests included)
 	$(VENV)/bin/pytest -q $(ARGS)
+
+test-compat: setup-compat ## the compatibility tier (pytest -m compat) on the floor torch in .venv-compat
+	$(COMPAT_VENV)/bin/python -m pytest -q -m compat $(ARGS)
 
 lint: setup ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
 	$(VENV)/bin/ruff check trainer tests scripts

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_harness.py [--models cpu_small gpt2_124m] [--batch-size 8] [--examples 48]
                                               [--device cpu] [--threads N] [--repeats 3] [--worlds 1 2]
+                                              [--end-to-end 48]
 
 For each model size, random-init weights (seed 0) go to dtrain's harness model
 (trainer/evals/harness.py: DtrainLM over our GPT) and, written out as `dtrain export` writes them
@@ -20,6 +21,11 @@ requests split from how many cores there are): the same weights saved as a run
 (resolved_config.json and a state_dict), requests/s counted over the model's calls
 (eval_harness.json's model_s: on rank 0, waiting for the other workers included), the best of
 --repeats, and whether each setup's metrics equal world 1's exactly.
+
+The third table (--end-to-end N) times whole commands as a user runs them, start-up included:
+`dtrain eval RUN --tasks bench_gen_e2e` (N greedy generations) against `lm_eval --model hf` on the
+export, taking turns, the best of --repeats wall times each, and counts the requests whose logged
+outputs (resps, filtered_resps of --log-samples / --log_samples) are equal.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from trainer.rundir import write_config_record  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TASKS = {"bench_mc": "loglikelihood", "bench_ppl": "loglikelihood_rolling", "bench_gen": "generate_until"}
+E2E_TASK = "bench_gen_e2e"  # bench_gen's kind of generation, --end-to-end requests of it
 
 
 def paragraphs(n: int) -> list[str]:
@@ -73,7 +80,7 @@ def paragraphs(n: int) -> list[str]:
     return paras[: 4 * n]
 
 
-def write_tasks(root: Path, n: int) -> None:
+def write_tasks(root: Path, n: int, n_gen_e2e: int = 0) -> None:
     paras = paragraphs(n)
     mc = []
     for i in range(n):
@@ -84,6 +91,7 @@ def write_tasks(root: Path, n: int) -> None:
         mc.append({"question": " ".join(words[:10]), "choices": choices, "label": choices.index(right)})
     docs = [{"text": "\n\n".join(paras[i: i + 4])[:1000]} for i in range(0, n // 2)]
     gen = [{"question": p[:150], "answer": p[150:170]} for p in paras[n: n + n // 2]]
+    gen_e2e = [{"question": p[:150], "answer": p[150:170]} for p in paras[n: n + n_gen_e2e]]
     yaml = {
         "bench_mc": ("mc", 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
                            'doc_to_target: "{{label}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
@@ -93,7 +101,8 @@ def write_tasks(root: Path, n: int) -> None:
                              'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 16\n  do_sample: false\n'
                              "metric_list:\n  - metric: exact_match\n"),
     }
-    for name, rows in (("mc", mc), ("docs", docs), ("gen", gen)):
+    yaml[E2E_TASK] = ("gen_e2e", yaml["bench_gen"][1])
+    for name, rows in (("mc", mc), ("docs", docs), ("gen", gen), ("gen_e2e", gen_e2e)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for task, (data, body) in yaml.items():
         (root / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
@@ -196,6 +205,40 @@ def world_rows(model, cfg, name: str, tmp: Path, args) -> list[tuple]:
     return rows
 
 
+def end_to_end(model, cfg, name: str, tmp: Path, args) -> tuple[float, float, int, int, dict]:
+    """(best wall s of `dtrain eval RUN --tasks bench_gen_e2e`, best wall s of `lm_eval --model hf`
+    on the export, requests whose outputs are equal, requests, dtrain's last record): whole
+    commands, as a user runs them, taking turns --repeats times; each logs its samples."""
+    weights = save_run(model, cfg, tmp / f"e2e_{name}")
+    tasks, out = tmp / "tasks", tmp / f"hf_out_{name}"
+    common = ["--tasks", E2E_TASK, "--device", args.device]
+    ours = [sys.executable, "-m", "trainer", "eval", str(weights.parent), *common, "--include-path", str(tasks),
+            "--batch-size", str(args.batch_size), "--log-samples", f"ckpt={weights}",
+            f"launch.threads_per_worker={args.threads}"]
+    theirs = [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args",
+              f"pretrained={tmp / name},dtype=float32", *common, "--include_path", str(tasks),
+              "--batch_size", str(args.batch_size), "--log_samples", "--output_path", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}  # hf's torch: as many threads as dtrain's
+    best = {"dtrain": math.inf, "hf": math.inf}
+    for _ in range(args.repeats):
+        for who, cmd in (("dtrain", ours), ("hf", theirs)):
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+            best[who] = min(best[who], time.perf_counter() - t0)
+            if proc.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}")
+    mine = responses(weights.parent / f"eval_samples_{E2E_TASK}.jsonl")
+    hf = responses(max(out.glob(f"**/samples_{E2E_TASK}_*.jsonl"), key=lambda p: p.stat().st_mtime))
+    equal = sum(mine.get(doc) == answer for doc, answer in hf.items())
+    return best["dtrain"], best["hf"], equal, len(hf), json.loads((weights.parent / "eval_harness.json").read_text())
+
+
+def responses(path: Path) -> dict[int, tuple]:
+    """doc_id -> (resps, filtered_resps) of a harness samples file."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["doc_id"]: (r["resps"], r["filtered_resps"]) for r in lines}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["cpu_small", "gpt2_124m"])
@@ -207,6 +250,9 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2],
                         help="worker counts for `dtrain eval ... world=N`, each with --threads / N threads "
                              "(none: skip that table)")
+    parser.add_argument("--end-to-end", type=int, default=48, metavar="N",
+                        help="generation requests of the end-to-end table (whole commands: `dtrain eval --tasks` "
+                             "against `lm_eval --model hf` on the export); 0: skip it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -219,10 +265,15 @@ def main() -> None:
     for col in ("model", "requests", "world", "threads each", "req/s", f"vs world 1 ({args.threads} threads)",
                 "vs world 1 (same threads)", "metrics = world 1"):
         scaling.add_column(col, justify="left" if col in ("model", "requests") else "right")
+    whole = Table(title=f"end to end: `dtrain eval RUN --tasks T` against `lm_eval --model hf` on the export, "
+                        f"generate_until, wall s (best of {args.repeats}), batch {args.batch_size}, {args.device}")
+    for col in ("model", "requests", "dtrain eval s", "lm_eval hf s", "hf / dtrain",
+                "dtrain: load / harness / model s", "outputs equal"):
+        whole.add_column(col, justify="left" if col == "model" else "right")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "tasks").mkdir()
-        write_tasks(tmp / "tasks", args.examples)
+        write_tasks(tmp / "tasks", args.examples, args.end_to_end)
         manager = task_manager(str(tmp / "tasks"))
         for name in args.models:
             torch.manual_seed(0)
@@ -238,12 +289,19 @@ def main() -> None:
             for kind in TASKS.values():
                 table.add_row(name, kind, str(n[kind]), f"{rate_ours[kind]:,.1f}", f"{rate_hf[kind]:,.1f}",
                               f"{rate_ours[kind] / rate_hf[kind]:.2f}x", equal)
+            if args.end_to_end:
+                ours_s, hf_s, equal, n_req, record = end_to_end(model, cfg, name, tmp, args)
+                split = f"{record['load_s']:.1f} / {record['wall_s']:.1f} / {sum(record['model_s'].values()):.1f}"
+                whole.add_row(name, str(n_req), f"{ours_s:.1f}", f"{hf_s:.1f}", f"{hf_s / ours_s:.2f}x", split,
+                              f"{equal} of {n_req}")
             for row in world_rows(model, cfg, name, tmp, args) if args.worlds else []:
                 model_name, kind, world, threads, rate, speedup, per_worker, same = row
                 scaling.add_row(model_name, kind, str(world), str(threads), f"{rate:,.1f}", f"{speedup:.2f}x",
                                 f"{per_worker:.2f}x", "yes" if same else "NO")
     console = Console(width=max(Console().width, 110))
     console.print(table)
+    if args.end_to_end:
+        console.print(whole)
     if args.worlds:
         console.print(scaling)
 
