@@ -63,6 +63,7 @@ class Run:
         self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
+        raw_model.loss_chunks = cfg.train.loss_chunks
         self.model = self.strategy.wrap(raw_model)
         self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
         self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
@@ -71,7 +72,7 @@ class Run:
             self.val_loader = self._val_loader()
         self.forward = self.model
         if cfg.train.compile:
-            self.forward = torch.compile(self.model)
+            self.forward = torch.compile(self.model, mode=cfg.train.compile_mode)
         self.state = TrainState()
         self.guard = NonFiniteGuard(cfg.train, rt)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
