@@ -121,7 +121,11 @@ class Run:
         """Forward and backward of the step's grad_accum_steps micro batches from the train loader
         (gradients sync on the last); returns their mean loss on device. `poison`: the testing hook
         DTRAIN_INJECT_NONFINITE (trainer/nonfinite.py) makes the loss NaN."""
-        self.model.train()
+        if not self.strategy.unwrap(self.model).training:
+            # Only after an evaluation: train() rewrites every module's `training` attribute, and
+            # torch.compile's guards then re-check each module's state on the next call (the
+            # compiled step's host time grows by it, every step)
+            self.model.train()
         accum = self.plan.grad_accum_steps
         loss_sum = torch.zeros((), device=self.rt.device)
         for micro in range(accum):
