@@ -12,7 +12,8 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
   build-nanogpt's loop) in alternating blocks, gpt2_124m and llama_135m at micro batch 16, 32 and
   64 x 1024: tokens/s, MFU (the model's FLOPs per token over the device's dense bf16 peak, H100
   989 TFLOP/s), ms per step, and the share of it the GPU was busy (CUDA kernel time from
-  torch.profiler over a few steps, over the unprofiled wall time).
+  torch.profiler over a few steps, over the unprofiled wall time), and the host time of the
+  compiled forward's call (dynamo's "Torch-Compiled Region" in the same profile).
 * muon: optim=muon's step against AdamW's (gpt2_124m, micro batch 32).
 * memory: torch.cuda.max_memory_allocated of dtrain's step (before the bare loop exists) beside
   `dtrain plan`'s estimate of it (trainer/memory.py), both models, micro batch 16 and 32, compile
@@ -168,16 +169,18 @@ class Bench:
             loops = {"dtrain": dtrain_steps, "bare": bare_steps}
             bare_steps(self.args.warmup)
             seconds = self.alternate(loops)
-            busy = {name: self.kernel_seconds_per_step(fn) for name, fn in loops.items()}
+            profiled = {name: self.profile(fn) for name, fn in loops.items()}
             metrics.close()
             flops_per_token = run.flops_per_token
         tokens = batch * cfg.train.seq_len
         fig = {}
         for name in loops:
             s = statistics.median(seconds[name])
+            kernel_s, forward_host_s = profiled[name]
             fig[name] = dict(ms=s * 1e3, tokens_per_s=tokens / s,
                              mfu=flops_per_token * tokens / s / self.peak_flops if self.peak_flops else None,
-                             gpu_busy=busy[name] / s if busy[name] is not None else None)
+                             gpu_busy=kernel_s / s if kernel_s is not None else None,
+                             forward_host_ms=forward_host_s * 1e3 if forward_host_s is not None else None)
         self.adamw_ms[(model, batch)] = fig["dtrain"]["ms"]
         ratio = fig["dtrain"]["tokens_per_s"] / fig["bare"]["tokens_per_s"]
         self.row("throughput", f"{model} B={batch}", _speed(fig["dtrain"]), _speed(fig["bare"]), f"{ratio:.3f}x",
@@ -197,16 +200,20 @@ class Bench:
                 seconds[name].append((time.perf_counter() - t0) / self.args.block)
         return seconds
 
-    def kernel_seconds_per_step(self, steps, n: int = 3) -> float | None:
-        """CUDA kernel time per step over `n` profiled steps (None off CUDA)."""
-        if self.rt.device.type != "cuda":
-            return None
+    def profile(self, steps, n: int = 3) -> tuple[float | None, float | None]:
+        """Per step over `n` profiled steps: CUDA kernel time (None off CUDA) and the host time of
+        the compiled forward's call (dynamo's "Torch-Compiled Region"; None when nothing is compiled)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.rt.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         sync(self.rt.device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=activities) as prof:
             steps(n)
             sync(self.rt.device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / n
+        events = prof.events()
+        kernels = [e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        compiled = [e.time_range.elapsed_us() for e in events if e.name.startswith("Torch-Compiled Region")]
+        return (sum(kernels) / 1e6 / n if kernels else None, sum(compiled) / 1e6 / n if compiled else None)
 
     def muon(self, model: str, batch: int) -> None:
         cfg = self.cfg(model, batch, "optim=muon")
@@ -272,6 +279,8 @@ def _speed(f: dict) -> str:
         text += f", MFU {f['mfu']:.1%}"
     if f["gpu_busy"] is not None:
         text += f", GPU busy {f['gpu_busy']:.0%}"
+    if f["forward_host_ms"] is not None:
+        text += f", compiled forward's host {f['forward_host_ms']:.1f} ms"
     return text
 
 
