@@ -229,8 +229,8 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     # --- activations of one micro batch ------------------------------------------------------
     L = m.n_layer
     activations = _activation_bytes(model.config, t, device_type, act, micro_batch * t.seq_len)
-    if device_type == "cuda" and act == 2:
-        activations += 2 * n_total  # bf16 copies of the weights, kept for the backward
+    if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
+        activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
     # --- model state per rank -------------------------------------------------------------------
     # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
