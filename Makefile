@@ -12,7 +12,7 @@ EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup setup-compat train sweep report test test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
+.PHONY: help setup setup-compat train sweep report test test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ chaos: setup ## faults caused for real on a ddp world-2 run (worker SIGKILL, dri
 
 bench: setup ## tokens/s, step-time split and memory per rank for each parallel mode (ARGS="--model cpu16m --vs-bare ...")
 	$(PY) scripts/bench.py $(ARGS)
+
+bench-gpu: setup ## dtrain vs a bare loop on one GPU, Muon, memory vs plan, every mode at world 1 (<= 8 min; exit 2 without CUDA)
+	$(PY) scripts/bench_gpu.py $(ARGS)
 
 IMAGE ?= dtrain:0.1.0
 TORCH_VARIANT ?= cpu

@@ -25,6 +25,9 @@ CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
 DTYPES = ("auto", "float32", "bfloat16")
 ON_NONFINITE = ("stop", "skip", "rollback")
+# torch.compile's modes (train.compile_mode): "reduce-overhead" replays the step's kernels as CUDA
+# graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Token ids the data holds: every dataset is encoded with GPT-2's BPE (trainer/data/tokenizer.py's
 # VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
 TOKENIZER_VOCAB_SIZE = 50257
@@ -176,7 +179,12 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES); needs compile=true
     activation_checkpointing: bool = False
+    # The loss over the vocabulary computed in this many pieces along the sequence, each piece's
+    # logits (and their gradient) made and dropped in turn: B x T x vocab logits are never held
+    # whole. 1 = one piece (the logits of the whole micro batch at once).
+    loss_chunks: int = 1
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     sample_prompt: str = "ROMEO:"
     progress: bool = True  # rich progress bar on rank 0

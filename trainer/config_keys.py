@@ -30,10 +30,10 @@ TRAJECTORY = (
 BATCH_KEYS = ("train.total_batch_size", "train.grad_accum_steps")
 
 OPERATIONAL = (
-    # launched: any world size and mode reshard the checkpoint; compile and activation
-    # checkpointing change how the same steps run, not which
+    # launched: any world size and mode reshard the checkpoint; compile (and its mode), activation
+    # checkpointing and the loss's pieces change how the same steps run (to rounding), not which
     "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
-    "train.activation_checkpointing",
+    "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
     "train.log_interval", "train.eval_interval", "train.eval_batches", "train.progress",
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",

@@ -63,6 +63,7 @@ class Run:
         self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
+        raw_model.loss_chunks = cfg.train.loss_chunks
         self.model = self.strategy.wrap(raw_model)
         self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
         self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
@@ -71,7 +72,7 @@ class Run:
             self.val_loader = self._val_loader()
         self.forward = self.model
         if cfg.train.compile:
-            self.forward = torch.compile(self.model)
+            self.forward = torch.compile(self.model, mode=cfg.train.compile_mode)
         self.state = TrainState()
         self.guard = NonFiniteGuard(cfg.train, rt)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
@@ -120,7 +121,11 @@ class Run:
         """Forward and backward of the step's grad_accum_steps micro batches from the train loader
         (gradients sync on the last); returns their mean loss on device. `poison`: the testing hook
         DTRAIN_INJECT_NONFINITE (trainer/nonfinite.py) makes the loss NaN."""
-        self.model.train()
+        if not self.strategy.unwrap(self.model).training:
+            # Only after an evaluation: train() rewrites every module's `training` attribute, and
+            # torch.compile's guards then re-check each module's state on the next call (the
+            # compiled step's host time grows by it, every step)
+            self.model.train()
         accum = self.plan.grad_accum_steps
         loss_sum = torch.zeros((), device=self.rt.device)
         for micro in range(accum):

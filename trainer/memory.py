@@ -14,9 +14,39 @@ What one rank holds, in bytes:
 * transients at the peak: FSDP's gathered (unsharded) parameters and gradients of the units in
   flight, DDP's gradient buckets, the optimizer step's temporaries.
 
-The activation coefficients were fitted to measured peaks (scripts/bench.py, CPU fp32 and
+On a CPU the activation coefficients were fitted to measured peaks (scripts/bench.py, fp32,
 torch 2.13: resident-set growth of a worker); tests/test_plan.py keeps the estimate within 15%
 of a measured peak.
+
+On CUDA (`train.device=cuda`, or `dtrain plan --device cuda` from any host) the estimate is of
+`torch.cuda.max_memory_allocated` (what tensors hold; the CUDA context and the caching
+allocator's unused reserve come on top as `runtime`), derived from what each op keeps for the
+backward, per token of a block (r = 4 bytes: the residual stream stays fp32 under bf16 autocast,
+a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the block's shape):
+
+* eager: the block's input and middle residual (2 r C), the bf16 casts of both norms' outputs
+  that the next matmuls keep (2 a C), q/k/v (a (C + 2 kv)), SDPA's output and its contiguous
+  copy (2 a C: flash/cuDNN attention keeps only O and the logsumexp, no T x T), RoPE's rotated q
+  and k (a (C + kv)), and the MLP's hidden tensors (2 H for GELU: its input and output; SwiGLU 4,
+  ReLU squared 3). GPT-2's block: 38 C bytes per token.
+* compiled (inductor): elementwise ops are fused and recomputed in the backward from what they
+  read, so only the residuals, the matmul outputs and SDPA's output stay: 2 r C + a (C + 2 kv)
+  + a C + a x c_fc's width. GPT-2's block: 24 C.
+* the loss over B x T x V: eager keeps log-softmax's fp32 output, and its backward holds its
+  incoming and outgoing fp32 gradients beside it (12 bytes per logit); compiled keeps the bf16
+  logits and the backward holds an fp32 and a bf16 gradient (8 bytes per logit; this is the
+  figure calibrated against the one measurement: gpt2_124m at 32 x 1024 compiled,
+  pad_vocab_multiple=64, torch 2.11, H100: 21.2 GiB, estimated 20.7). With train.loss_chunks=k
+  one piece's logits at a time (12 bytes per logit of B x T / k positions) plus the input's
+  gradient (4 C per token) and the head weight's (fp32) kept from the forward.
+* bf16 copies of the weights (autocast casts each weight once per forward and the matmuls keep
+  the copies for the backward), fused AdamW (no per-tensor temporaries).
+* train.activation_checkpointing: each block keeps its fp32 input; one block's activations are
+  rebuilt at a time in the backward.
+
+Only the compiled gpt2_124m 32 x 1024 figure was measured; eager, llama_135m and micro batch 16
+are estimates from the same model until `make bench-gpu` (scripts/bench_gpu.py) prints them
+beside max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -102,9 +132,13 @@ def fmt_bytes(n: float) -> str:
 BLOCK_ACT_PER_C = 20.0
 MLP_ACT_PER_HIDDEN = {"gelu": 2, "relu2": 3, "swiglu": 4}
 HEAD_ACT_PER_V = 3.0  # fp32 log-softmax, its gradient and the logits' gradient, per token x vocab
+# CUDA, bytes per logit (token x vocab) at backward's start (module doc): eager keeps the fp32
+# log-softmax and holds its two fp32 gradients; compiled keeps the bf16 logits and holds an fp32
+# and a bf16 gradient (calibrated: gpt2_124m, 32 x 1024, H100, torch 2.11)
+CUDA_HEAD_EAGER, CUDA_HEAD_COMPILED = 12, 8
 ROOT_COPIES_TIED, ROOT_COPIES_UNTIED = 6.0, 1.5  # FSDP's root unit in flight (see estimate)
 CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker touches, allocator slack
-CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not measured here)
+CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not in max_memory_allocated)
 
 
 @dataclasses.dataclass
@@ -137,6 +171,11 @@ class Estimate:
     @property
     def total(self) -> int:
         return max(self.backward_peak, self.step_peak)
+
+    @property
+    def allocated(self) -> int:
+        """The peak of what tensors hold: torch.cuda.max_memory_allocated's counterpart on CUDA."""
+        return self.total - self.runtime
 
     def as_dict(self) -> dict:
         keys = ("mode", "world", "micro_batch", "params", "grads", "optim", "activations", "gathered",
@@ -188,19 +227,10 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         act = cast.itemsize  # the mode's own mixed precision computes in that dtype
 
     # --- activations of one micro batch ------------------------------------------------------
-    C, L, V = m.n_embd, m.n_layer, model.config.padded_vocab_size
-    tokens = micro_batch * t.seq_len
-    shape = model.config
-    qkv = C + 2 * shape.kv_heads * shape.head_dim
-    per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden
-    block = per_token * act * tokens
-    if t.activation_checkpointing:
-        # each block keeps only its input; backward recomputes one block at a time
-        blocks = L * C * act * tokens + block
-    else:
-        blocks = L * block
-    head = HEAD_ACT_PER_V * V * 4 * tokens  # the loss is computed in fp32
-    activations = int(blocks + head)
+    L = m.n_layer
+    activations = _activation_bytes(model.config, t, device_type, act, micro_batch * t.seq_len)
+    if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
+        activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
     # --- model state per rank -------------------------------------------------------------------
     # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
@@ -237,24 +267,63 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     else:
         p_b = g_b = n_total * fp32
         largest = max(p.numel() for p in params)
-    # AdamW's sqrt(v) and its scaled copy, one tensor at a time; or Muon's step (they run in turn)
-    temporaries = max(2 * largest, muon_buffers) * fp32
+    # AdamW's sqrt(v) and its scaled copy, one tensor at a time (CUDA's fused AdamW makes none); or
+    # Muon's step (they run in turn)
+    temporaries = max(0 if device_type == "cuda" else 2 * largest, muon_buffers) * fp32
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
                     strategy.keeps_gradient_buckets)
 
 
-def largest_micro_batch(cfg, mode: str, world: int, device_memory: int, limit: int = 1 << 16) -> int:
+def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int) -> int:
+    """What forward keeps for backward at backward's start: the blocks and the loss over the
+    vocabulary (the module doc says how, per device)."""
+    C, L, V = shape.n_embd, shape.n_layer, shape.padded_vocab_size
+    kv = shape.kv_heads * shape.head_dim
+    if device_type == "cuda":
+        residual = 4 if act == 2 else act  # autocast adds bf16 outputs to an fp32 residual stream
+        if t.compile:
+            fc_out = shape.hidden * (2 if shape.mlp == "swiglu" else 1)
+            per_token = 2 * residual * C + act * (C + 2 * kv + C + fc_out)
+        else:
+            rope = C + kv if shape.pos == "rope" else 0
+            per_token = 2 * residual * C + act * (2 * C + C + 2 * kv + 2 * C + rope
+                                                  + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden)
+        head_per_logit = CUDA_HEAD_COMPILED if t.compile else CUDA_HEAD_EAGER
+    else:
+        residual = act
+        qkv = C + 2 * kv
+        per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden
+        per_token *= act
+        head_per_logit = HEAD_ACT_PER_V * 4  # the loss is computed in fp32
+    block = per_token * tokens
+    if t.activation_checkpointing:
+        # each block keeps only its input; backward recomputes one block at a time
+        blocks = L * C * residual * tokens + block
+    else:
+        blocks = L * block
+    chunks = t.get("loss_chunks", 1)
+    if chunks > 1:
+        # one piece's logits at a time (fp32 scores, softmax, gradient), and the gradients the
+        # forward made: the head input's (fp32 under autocast) and the weight's (fp32)
+        head = HEAD_ACT_PER_V * 4 * V * -(-tokens // chunks) + 4 * C * tokens + 4 * V * C
+    else:
+        head = head_per_logit * V * tokens
+    return int(blocks + head)
+
+
+def largest_micro_batch(cfg, mode: str, world: int, device_memory: int, device_type: str | None = None,
+                        limit: int = 1 << 16) -> int:
     """The largest micro batch whose estimated peak fits `device_memory` bytes (0: none fits)."""
-    if estimate(cfg, mode, world, 1).total > device_memory:
+    if estimate(cfg, mode, world, 1, device_type).total > device_memory:
         return 0
     lo, hi = 1, 2
-    while hi <= limit and estimate(cfg, mode, world, hi).total <= device_memory:
+    while hi <= limit and estimate(cfg, mode, world, hi, device_type).total <= device_memory:
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
     while hi - lo > 1:  # estimate() grows with the batch: bisect between a fit and a miss
         mid = (lo + hi) // 2
-        if estimate(cfg, mode, world, mid).total <= device_memory:
+        if estimate(cfg, mode, world, mid, device_type).total <= device_memory:
             lo = mid
         else:
             hi = mid

@@ -9,6 +9,7 @@ import re
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config import (
+    COMPILE_MODES,
     DTYPES,
     GROUP_SCHEMAS,
     INIT_FROM_REQUIRED,
@@ -94,6 +95,7 @@ RANGES = {
     "train.sample_tokens": _at_least(0),  # 0 = no sample
     "train.peak_flops": _positive(),
     "train.max_nonfinite": _at_least(1),
+    "train.loss_chunks": _at_least(1),
     "checkpoint.interval": _at_least(0),  # 0 = only at the end
     "checkpoint.keep": _at_least(1),
     "eval.interval": _at_least(0),  # 0 = never during training
@@ -175,6 +177,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.device={t.device!r} is not a device; use auto, cpu, cuda or cuda:N")
     if t.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
+    if t.compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={t.compile_mode!r} is unknown; choose one of {', '.join(COMPILE_MODES)}")
+    if t.compile_mode != "default" and not t.compile:
+        raise ConfigError(f"train.compile_mode={t.compile_mode} needs train.compile=true "
+                          "(or leave compile_mode=default)")
+    if t.loss_chunks > t.seq_len:
+        raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
+                          f"least one position; use train.loss_chunks={t.seq_len} or fewer")
     check_block(m)
     if m.init_from == INIT_FROM_REQUIRED:
         raise ConfigError(

@@ -27,7 +27,8 @@ from .harness import on_every_rank, step_bookkeeping, sync
 
 
 class BareLoop:
-    """What a hand-written PyTorch loop does: GPT, AdamW (decay on 2-D weights), clip, cosine lr,
+    """What a hand-written PyTorch loop does (build-nanogpt's): GPT, AdamW (decay on 2-D weights;
+    fused on CUDA), bf16 autocast on CUDA, torch.compile when train.compile, clip, cosine lr,
     plain DDP when world > 1, and nanoGPT-style batches sliced from the token array in memory."""
 
     def __init__(self, cfg, rt: Runtime, tokens: np.ndarray, accum: int):
@@ -49,6 +50,8 @@ class BareLoop:
         self.B, self.T = cfg.train.micro_batch_size, cfg.train.seq_len
         self.pos = self.B * self.T * rt.rank
         self.amp = rt.device.type == "cuda"
+        # build-nanogpt compiles its model too when the run does (train.compile)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
 
     def batch(self):
         B, T = self.B, self.T
@@ -75,7 +78,7 @@ class BareLoop:
             if self.rt.world > 1:
                 self.model.require_backward_grad_sync = micro == self.accum - 1
             with torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                loss = self.model(x, y)[1]
+                loss = self.forward(x, y)[1]
             (loss / self.accum).backward()
             loss_accum += loss.detach()
         clip = self.cfg.optim.grad_clip

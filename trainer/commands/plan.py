@@ -1,10 +1,13 @@
 """`dtrain plan`: estimated per-rank memory of every parallel mode, and the largest micro batch that fits.
 
     dtrain plan model=gpt2_124m parallel=fsdp world=8 train.micro_batch_size=16 --device-memory 80GiB
+    dtrain plan --device cuda model=gpt2_124m train.compile=true      # a GPU run, planned from any host
 
-The estimate (trainer/memory.py) is for the config the overrides compose; the mode asked for is
-marked. Without --device-memory the budget is the visible GPU's memory, or on a CPU-only host
-the machine's RAM shared by the workers of one node.
+The estimate (trainer/memory.py) is for the config the overrides compose (train.compile,
+train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked.
+--device picks the device the run will use (default: train.device, where auto is this host's).
+Without --device-memory the budget is the visible GPU's memory (an 80 GiB H100's when planning
+for CUDA on a host without one), or for a CPU run the machine's RAM shared by the workers of one node.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from rich.table import Table
 from trainer.args import ArgParser
 from trainer.compose import compose
 from trainer.config import requested_world
-from trainer.errors import UserError
 from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
 from trainer.model import GPTConfig
 from trainer.parallel import STRATEGIES
@@ -26,28 +28,32 @@ from trainer.parallel.base import Strategy
 from trainer.validation import validate
 
 _SIZE_MISSING = object()  # --device-memory given without a size
+ASSUMED_GPU_MEMORY = 80 * 1024**3  # --device cuda on a host without a GPU: an H100's 80 GiB
 
 
-def _parse(argv: list[str]) -> tuple[list[str], int | None]:
+def _parse(argv: list[str]) -> tuple[list[str], int | None, str | None]:
     parser = ArgParser(prog="dtrain plan", description=__doc__,
-                       usage="%(prog)s [key=value overrides ...] [--device-memory SIZE, e.g. 80GiB]")
+                       usage="%(prog)s [key=value overrides ...] [--device cpu|cuda] "
+                             "[--device-memory SIZE, e.g. 80GiB]")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides, as for dtrain train")
     # nargs="?": a missing size is this command's own message, not argparse's "expected one argument"
     parser.add_argument("--device-memory", nargs="?", const=_SIZE_MISSING, type=parse_size, metavar="SIZE",
                         help="memory budget per rank, e.g. 80GiB (default: the GPU's, or host RAM / workers)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="the device the run will train on (default: train.device; auto = this host's)")
     args = parser.parse_args(argv)
     if args.device_memory is _SIZE_MISSING:
         parser.error("--device-memory needs a size, e.g. --device-memory 80GiB")
     for override in args.overrides:
         if "=" not in override:
             parser.error(f"expected a key=value override, got {override!r}")
-    return args.overrides, args.device_memory
+    return args.overrides, args.device_memory, args.device
 
 
 def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError("no GPU is visible to read its memory from; give --device-memory, e.g. 80GiB")
+            return ASSUMED_GPU_MEMORY, "no GPU here: an 80 GiB H100 assumed; --device-memory to change"
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, f"{props.name} memory"
     try:
@@ -72,12 +78,12 @@ def _summary(strategy: type[Strategy]) -> str:
 
 
 def cmd_plan(argv: list[str]) -> None:
-    overrides, memory = _parse(argv)
+    overrides, memory, device = _parse(argv)
     cfg = compose(overrides)
     validate(cfg)
     world = requested_world(cfg)
     chosen = cfg.parallel.mode
-    device_type = device_type_of(cfg)
+    device_type = device or device_type_of(cfg)
     source = "--device-memory"
     if memory is None:
         memory, source = _default_memory(device_type, max(1, world // max(1, cfg.launch.nnodes)))
@@ -86,7 +92,9 @@ def cmd_plan(argv: list[str]) -> None:
              f"({GPTConfig.from_cfg(cfg.model).summary()})")
     table = Table(
         title=f"per-rank memory estimate: {model}, micro batch {B} x seq {cfg.train.seq_len}, "
-              f"{device_type}, {'checkpointed ' if cfg.train.activation_checkpointing else ''}"
+              f"{device_type}{' compiled' if cfg.train.compile and device_type == 'cuda' else ''}, "
+              f"{'checkpointed, ' if cfg.train.activation_checkpointing else ''}"
+              f"{f'loss in {cfg.train.loss_chunks} pieces, ' if cfg.train.loss_chunks > 1 else ''}"
               f"budget {fmt_bytes(memory)} ({source})"
     )
     for col in ("mode", "world", "params", "grads", "optimizer", "activations", "other", "peak", "fits",
@@ -98,7 +106,7 @@ def cmd_plan(argv: list[str]) -> None:
         est = estimate(cfg, strategy.name, w, B, device_type)
         other = est.gathered + est.runtime + (est.temporaries if est.step_peak > est.backward_peak else 0)
         fits = est.total <= memory
-        best = largest_micro_batch(cfg, strategy.name, w, memory)
+        best = largest_micro_batch(cfg, strategy.name, w, memory, device_type)
         asked = strategy.name == chosen
         table.add_row(
             ("[bold]" if asked else "") + strategy.name + (" *" if asked else ""),

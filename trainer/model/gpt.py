@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from trainer.model.config import GPTConfig
 from trainer.model.kv_cache import CacheStep
 from trainer.model.layers import Block, make_norm, rotary_tables
+from trainer.model.loss import chunked_cross_entropy
 
 # What each parameter is to the optimizer (trainer/optim.py): Muon takes the hidden matrices.
 ROLES = ("hidden", "embedding", "head", "norm", "bias")
@@ -36,6 +37,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self.activation_checkpointing = False
+        self.loss_chunks = 1  # train.loss_chunks: > 1 computes the loss in pieces (trainer/model/loss.py)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -74,9 +76,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, cache: CacheStep | None = None):
-        """(logits, loss). `logits_at` (B,) without targets: only the logits of that one position of
-        each row, (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows);
-        (B, K): those K positions of each row, (B, K, vocab) (a scored continuation's).
+        """(logits, loss); with targets and loss_chunks > 1, (None, loss). `logits_at` (B,) without
+        targets: only the logits of that one position of each row, (B, 1, vocab), all that decoding
+        needs (the largest matmul skips the other rows); (B, K): those K positions of each row,
+        (B, K, vocab) (a scored continuation's).
         `cache` (decoding, trainer/model/decode.py): idx fills the cache's next slots, at the
         positions and under the mask it gives, and attends to what the cache holds."""
         B, T = idx.shape
@@ -106,6 +109,8 @@ class GPT(nn.Module):
             x = x[rows, logits_at].unsqueeze(1) if logits_at.dim() == 1 else x[rows.unsqueeze(1), logits_at]
         if targets is None:
             return self._inference_logits(x)[..., : self.config.vocab_size], None
+        if self.loss_chunks > 1:  # the logits are never whole: none to return
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks)
         logits = self.lm_head(x)
         # Padded vocabulary rows never appear as targets; their logits only add to the softmax
         # denominator and are pushed down by training, so they are kept (slicing would copy).

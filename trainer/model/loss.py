@@ -1,0 +1,76 @@
+"""The language-model loss in pieces (train.loss_chunks): mean cross-entropy of `x @ weight^T`
+against the targets, without ever holding the logits of the whole micro batch.
+
+The head's logits are the largest activation of a GPT-2 step (B x T x 50304: 3.1 GiB in bf16 at
+32 x 1024, and the loss's fp32 softmax twice that). Computed whole, autograd keeps them from the
+forward to the backward. Here the B x T positions are split into `chunks` pieces; each piece's
+logits are made, turned into the piece's loss and into its gradients (softmax minus the one-hot
+target, times the head's weight for the input, times the input for the weight), and dropped
+before the next piece. The backward only scales the two stored gradients by the incoming one, so
+no logits are recomputed: the FLOPs are those of the whole-batch head. What stays from the forward
+to the backward is the input's gradient (B x T x n_embd) and the weight's (vocab x n_embd, fp32).
+
+The weight is whatever tensor the head multiplies with at forward time: the tied embedding's
+parameter (its gradient then adds to the lookup's in autograd, as for the unchunked head), or
+FSDP's unsharded parameter of the root unit (its gradient arrives in the backward like any other,
+before the root's reduce-scatter). Under autocast the matmuls run in the autocast dtype exactly as
+the unchunked head's forward and backward do (bf16 logits, fp32 softmax; the gradients' matmuls in
+bf16 with the results kept in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Mean cross-entropy of the logits `x @ weight.T` ((..., n_embd) x (vocab, n_embd)) against
+    `targets` (...), computed in `chunks` pieces of the flattened positions."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(x, weight, targets, chunks)
+    total = sum(_piece_loss(F.linear(xs, weight).float(), ts)
+                for xs, ts in zip(x.chunk(chunks), targets.chunk(chunks)))
+    return total / targets.numel()
+
+
+def _piece_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of fp32 logits (rows) against their targets."""
+    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The loss and both gradients in the forward, piece by piece; the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunks):
+        n = targets.numel()
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        start = 0
+        for xs, ts in zip(x.chunk(chunks), targets.chunk(chunks)):
+            logits = F.linear(xs, weight)  # the autocast dtype under autocast, as the whole head's
+            scores = logits.float()
+            total = total + _piece_loss(scores, ts)
+            # d(mean loss)/d(logits) = (softmax - one-hot) / n, cast back to the logits' dtype as
+            # the backward of the unchunked head's .float() does
+            grad = torch.softmax(scores, dim=-1)
+            grad.scatter_add_(1, ts.unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
+            grad = (grad / n).to(logits.dtype)
+            if want_x:
+                grad_x[start : start + xs.size(0)] = grad @ weight.to(grad.dtype)
+            if want_w:
+                grad_w += grad.t() @ xs.to(grad.dtype)
+            start += xs.size(0)
+        ctx.weight_dtype = weight.dtype  # bf16 under FSDP's mixed precision: its gradient must match
+        ctx.save_for_backward(grad_x, grad_w)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return (None if grad_x is None else grad_x * grad_loss,
+                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None)
