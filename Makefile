@@ -9,7 +9,7 @@ EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup train sweep report test lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
+.PHONY: help setup train sweep report test test-all lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -40,8 +40,11 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
 	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
-test: setup ## run the test suite (real multi-process gloo tests included)
-	$(VENV)/bin/pytest -q $(ARGS)
+test: setup ## the quick tier (<= 10 min on 2 cores): unit tests + one real multi-process test per parallel mode and fault class
+	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
+
+test-all: setup ## every test (what CI runs, <= 35 min on 2 cores), the 20 slowest listed at the end
+	$(VENV)/bin/pytest -q --durations=20 $(ARGS)
 
 lint: setup ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
 	$(VENV)/bin/ruff check trainer tests scripts
