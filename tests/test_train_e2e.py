@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, train_losses
 
 
@@ -30,6 +31,7 @@ def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
     assert config["model"]["n_layer"] == 2 and config["train"]["max_steps"] == 30
 
 
+@pytest.mark.slow
 def test_plain_torchrun_runs_the_same_loop(data_dir, tmp_path):
     common = ["train.total_batch_size=512", "train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=4"]
     ref = tmp_path / "ref"
