@@ -40,10 +40,10 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
 	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
-test: setup ## the quick tier (<= 10 min on 2 cores): unit tests + one real multi-process test per parallel mode and fault class
+test: setup ## the quick tier: unit tests + one real multi-process test per parallel mode and fault class
 	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
 
-test-all: setup ## every test (what CI runs, <= 35 min on 2 cores), the 20 slowest listed at the end
+test-all: setup ## every test (what CI runs), the 20 slowest listed at the end
 	$(VENV)/bin/pytest -q --durations=20 $(ARGS)
 
 lint: setup ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
