@@ -12,7 +12,7 @@ EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup setup-compat train sweep report test test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
+.PHONY: help setup setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -51,8 +51,11 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
 	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
-test: setup ## run the test suite (real multi-process gloo tests included)
-	$(VENV)/bin/pytest -q $(ARGS)
+test: setup ## the quick tier: unit tests + one real multi-process test per parallel mode and fault class
+	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
+
+test-all: setup ## every test (what CI runs), the 20 slowest listed at the end
+	$(VENV)/bin/pytest -q --durations=20 $(ARGS)
 
 test-compat: setup-compat ## the compatibility tier (pytest -m compat) on the floor torch in .venv-compat
 	$(COMPAT_VENV)/bin/python -m pytest -q -m compat $(ARGS)

@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINYSHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+pytest_plugins = ["harness_setup"]  # the harness fixtures: one trained run, export and evaluation per session
 
 
 def corpus_text() -> str:
@@ -62,6 +63,24 @@ def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
             "train.max_steps=20", "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=2",
             "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
             "optim.warmup_steps=5", f"hydra.run.dir={run_dir}", *extra]
+
+
+# The one-process run of 256-token steps (tiny model, AdamW, accumulation 4) that test_parity's
+# modes must track and test_muon's Muon must leave: made once per session for both.
+REFERENCE_STEPS = 16
+REFERENCE_BATCH = ["train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={REFERENCE_STEPS}",
+                   "optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="session")
+def adamw_reference(data_dir, tmp_path_factory) -> dict[int, float]:
+    """step -> loss of the one-process AdamW reference (micro batch 2, accumulation 4)."""
+    run_dir = tmp_path_factory.mktemp("adamw_reference") / "run"
+    run_dtrain(tiny_args(data_dir, run_dir, *REFERENCE_BATCH, "parallel=none", "train.micro_batch_size=2"),
+               check=True)
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
+    return losses
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

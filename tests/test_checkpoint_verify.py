@@ -83,8 +83,8 @@ def resumed_from_older(reference: Path, data_dir: Path, root: Path) -> Path:
     return _FROM_OLDER["none"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["flip middle", "flip first bytes", "delete .metadata"])
+@pytest.mark.parametrize("kind", ["flip middle", pytest.param("flip first bytes", marks=pytest.mark.slow),
+                                  pytest.param("delete .metadata", marks=pytest.mark.slow)])
 def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, references, tmp_path_factory):  # noqa: F811
     reference = references("none")
     root = tmp_path_factory.mktemp("fallback")

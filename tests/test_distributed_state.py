@@ -25,13 +25,14 @@ def launch(data_dir, tmp_path, world, *overrides, steps=3):
     return [results[r] for r in range(world)]
 
 
+@pytest.mark.slow
 def test_ddp_replicas_hold_identical_weights(data_dir, tmp_path):
     ranks = launch(data_dir, tmp_path, 2, "parallel=ddp", "train.grad_accum_steps=2")
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert ranks[0]["param_bytes"] == ranks[0]["full_param_bytes"]  # DDP replicates everything
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp_shards_params_grads_and_optimizer_state(data_dir, tmp_path, world):
     ranks = launch(data_dir, tmp_path, world, "parallel=fsdp")
     full = ranks[0]["full_param_bytes"]
@@ -44,7 +45,7 @@ def test_fsdp_shards_params_grads_and_optimizer_state(data_dir, tmp_path, world)
     assert sum(r["param_bytes"] for r in ranks) >= full
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_shards_optimizer_state(data_dir, tmp_path, world):
     # The tiny model is mostly its tied 50257-row embedding: sharding whole parameters could not
     # balance it, sharding every parameter's rows does.
@@ -57,6 +58,7 @@ def test_zero_shards_optimizer_state(data_dir, tmp_path, world):
     assert ranks[0]["param_bytes"] == ranks[0]["full_param_bytes"]  # parameters stay replicated
 
 
+@pytest.mark.slow
 def test_zero_torch_gives_each_parameter_state_to_one_rank(data_dir, tmp_path):
     # Whole parameters: the rank that gets the tied embedding holds most of the tiny model's state,
     # exactly what the plan's estimate of the largest rank says.

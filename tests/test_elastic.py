@@ -7,7 +7,6 @@ import os
 import signal
 from pathlib import Path
 
-import pytest
 from conftest import tiny_args
 from test_checkpoint import (  # noqa: F401  (references: the session's cached reference runs)
     CKPT_ARGS,
@@ -39,7 +38,6 @@ def worker_pids(driver_pid: int) -> list[int]:
     return sorted(pids)
 
 
-@pytest.mark.slow
 def test_killed_worker_is_restarted_and_the_run_matches(data_dir, references, tmp_path):  # noqa: F811
     reference = references("ddp")
     run_dir = tmp_path / "run"

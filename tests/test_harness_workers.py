@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 from conftest import run_dtrain
-from test_harness import hf_model, offline_env, run_dir, tasks_dir  # noqa: F401  (module-scoped fixtures)
+from harness_setup import GREEDY, TASKS, evaluate, offline_env, work_offline
+
+work_offline()
 
 pytest.importorskip("lm_eval")
 
@@ -19,39 +20,11 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.loggers import EvaluationTracker  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-TASKS = ["dtrain_mc", "dtrain_ppl", "dtrain_gen", "dtrain_sampled"]
-
 
 @pytest.fixture(scope="module")
-def tasks(tasks_dir, tmp_path_factory) -> Path:  # noqa: F811
-    """test_harness's three tasks and one that samples (temperature, top_k, top_p)."""
-    root = tmp_path_factory.mktemp("tasks_workers")
-    for path in tasks_dir.iterdir():
-        shutil.copy(path, root / path.name)
-    gen = (root / "dtrain_gen.yaml").read_text().replace(str(tasks_dir), str(root))
-    (root / "dtrain_gen.yaml").write_text(gen)
-    sampled = gen.replace("task: dtrain_gen", "task: dtrain_sampled").replace(
-        "do_sample: false", "do_sample: true\n  temperature: 0.9\n  top_k: 40\n  top_p: 0.95")
-    (root / "dtrain_sampled.yaml").write_text(sampled)
-    return root
-
-
-def evaluate(run: Path, tasks: Path, *extra: str) -> tuple[dict, dict[str, list[dict]]]:
-    proc = run_dtrain(["eval", str(run), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
-                       "--batch-size", "3", "--bootstrap-iters", "20", "--device", "cpu", "--log-samples", *extra],
-                      env=offline_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    record = json.loads((run / "eval_harness.json").read_text())
-    samples = {t: [json.loads(line) for line in (run / f"eval_samples_{t}.jsonl").read_text().splitlines()]
-               for t in TASKS}
-    return record, samples
-
-
-@pytest.fixture(scope="module")
-def both(run_dir, tasks):  # noqa: F811
-    one = evaluate(run_dir, tasks)
-    two = evaluate(run_dir, tasks, "world=2", "launch.threads_per_worker=1")
-    return one, two
+def both(harness_run, harness_tasks, harness_world1):
+    """The session's world-1 evaluation (shared with test_harness) and the same command at world 2."""
+    return harness_world1, evaluate(harness_run, harness_tasks, "world=2", "launch.threads_per_worker=1")
 
 
 def same(a, b) -> bool:
@@ -64,6 +37,7 @@ def same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.slow
 def test_world_2_gives_world_1s_metrics_exactly(both):
     (rec1, samples1), (rec2, samples2) = both
     assert rec1["world"] == 1 and rec2["world"] == 2 and rec2["threads_per_worker"] == 1
@@ -73,6 +47,7 @@ def test_world_2_gives_world_1s_metrics_exactly(both):
         assert [s["resps"] for s in samples1[task]] == [s["resps"] for s in samples2[task]], task
 
 
+@pytest.mark.slow
 def test_a_sampling_task_runs_and_differs_from_greedy(both):
     (record, samples), _ = both
     assert "exact_match,none" in record["results"]["dtrain_sampled"]
@@ -81,17 +56,18 @@ def test_a_sampling_task_runs_and_differs_from_greedy(both):
     assert len(sampled) == len(greedy) == 8 and sampled != greedy
 
 
-def test_log_samples_are_the_harness_records(both, hf_model, tasks, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_log_samples_are_the_harness_records(both, harness_hf_model, harness_tasks, tmp_path):
     """The same fields, documents and answers as the harness's own --log_samples files of its `hf`
     model on the exported weights (loglikelihoods within float noise, generations exact)."""
     (record, ours), _ = both
     assert record["samples"] == {t: str(Path(record["run_dir"]) / f"eval_samples_{t}.jsonl") for t in TASKS}
-    greedy = TASKS[:3]
-    results = simple_evaluate(model=hf_model, tasks=greedy, task_manager=TaskManager(include_path=str(tasks)),
-                              bootstrap_iters=20, log_samples=True)
+    results = simple_evaluate(model=harness_hf_model, tasks=GREEDY,
+                              task_manager=TaskManager(include_path=str(harness_tasks)), bootstrap_iters=20,
+                              log_samples=True)
     tracker = EvaluationTracker(output_path=str(tmp_path))
     tracker.general_config_tracker.model_name_sanitized, tracker.date_id = "hf", "now"  # set by its other calls
-    for task in greedy:
+    for task in GREEDY:
         tracker.save_results_samples(task, results["samples"][task])
         [path] = tmp_path.rglob(f"samples_{task}_*.jsonl")
         theirs = [json.loads(line) for line in path.read_text().splitlines()]
@@ -109,11 +85,12 @@ def test_log_samples_are_the_harness_records(both, hf_model, tasks, tmp_path):  
                     assert math.isclose(float(x), float(y), rel_tol=1e-5), (task, x, y)
 
 
-def test_unsupported_generation_settings_are_one_line(run_dir, tasks):  # noqa: F811
-    bad = tasks / "bad"
-    bad.mkdir(exist_ok=True)
-    text = (tasks / "dtrain_gen.yaml").read_text().replace("task: dtrain_gen", "task: dtrain_bad")
+def test_unsupported_generation_settings_are_one_line(harness_run, harness_tasks, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    text = (harness_tasks / "dtrain_gen.yaml").read_text().replace("task: dtrain_gen", "task: dtrain_bad")
     (bad / "dtrain_bad.yaml").write_text(text.replace("do_sample: false", "do_sample: false\n  num_beams: 4"))
-    proc = run_dtrain(["eval", str(run_dir), "--tasks", "dtrain_bad", "--include-path", str(bad)], env=offline_env())
+    proc = run_dtrain(["eval", str(harness_run), "--tasks", "dtrain_bad", "--include-path", str(bad)],
+                      env=offline_env())
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "num_beams" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

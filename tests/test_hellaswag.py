@@ -324,6 +324,7 @@ def _eval_cli(trained_run, world: int, mode: str, torchrun: bool) -> dict:
     return json.loads((run_dir / "eval_hellaswag.json").read_text())
 
 
+@pytest.mark.slow
 def test_same_counts_for_world_1_2_4(trained_run):
     """91 examples in batches of 5: at world 2 rank 1 runs a dummy forward (46 vs 45 examples), which
     FSDP needs to not hang; world 4 runs under plain torchrun."""
@@ -350,6 +351,7 @@ def test_eval_command_errors(trained_run, tmp_path):
 
 
 # --- during training ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, trained_run, tmp_path):
     """eval.interval under ddp world 2 logs the three keys every 10 steps and at the last; then
     `dtrain eval RUN_DIR` (no ckpt=: the newest checkpoint, written at the end of the run) scores

@@ -189,6 +189,7 @@ def test_a_shard_reads_only_its_rows_of_the_fused_parts(tmp_path):
                 assert torch.equal(got, stacked[start:start + rows, col:]), (name, start)
 
 
+@pytest.mark.slow
 def test_fsdp_world2_starts_from_the_llama_folder(data_dir, tmp_path):
     """A real `dtrain train parallel=fsdp world=2` from a LlamaForCausalLM folder, each rank reading
     only its shards: the step-0 weights give transformers' logits."""

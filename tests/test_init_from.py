@@ -211,6 +211,7 @@ def test_source_checks(hf_folder, tmp_path):
     assert "pass model.init_from=PATH" in recipe.stderr and not (tmp_path / "ft").exists()
 
 
+@pytest.mark.slow
 def test_resume_wins_and_a_changed_source_is_another_run(hf_folder, data_dir, tmp_path):
     """A crashed run (stopped at step 2, checkpoint at 1) continues from its own checkpoint, saying
     init_from is ignored; the same run dir with another init_from is another run's: one line."""

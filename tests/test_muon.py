@@ -1,7 +1,7 @@
 """optim=muon (Muon on the blocks' hidden matrices, AdamW on the rest) in every parallel mode: the
 split by role for both block families, parity with one process within 1e-5 (ddp, zero, zero_torch,
-fsdp at world 2 and 4), a trajectory that is not AdamW's, SIGTERM or kill -9 and a bitwise resume
-under zero and fsdp, and resharded resumes (fsdp world 2 -> one process, zero -> fsdp).
+fsdp at world 2 and 4), a trajectory that is not AdamW's, SIGTERM then kill -9 of one run and a bitwise
+resume under zero and fsdp, and resharded resumes (fsdp world 2 -> one process, zero -> fsdp).
 
 Muon's weight decay is on (0.1), so fsdp's decay applied to each shard is checked too. Every run
 trains 16 steps of 256 tokens and saves a checkpoint every 4, so a mode's parity run is
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches_one_process, run_dtrain, tiny_args, train_losses
+from conftest import REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process, run_dtrain, tiny_args, train_losses
 from test_checkpoint import kill_group, logged_steps, loss_records, past_a_checkpoint, same_weights, start_dtrain
 from test_signals import STOP_LINE, finish, logged, wait_for
 
@@ -27,9 +27,8 @@ from trainer.model import build_model
 from trainer.optim import Float32Muon, build_optimizer, orthogonalize, parts, split_params
 from trainer.parallel.muon import assign_owners
 
-STEPS, INTERVAL = 16, 4
-COMMON = ["optim=muon", "train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={STEPS}",
-          "optim.lr=1e-3", "optim.muon.weight_decay=0.1", f"checkpoint.interval={INTERVAL}"]
+STEPS, INTERVAL = REFERENCE_STEPS, 4
+COMMON = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", f"checkpoint.interval={INTERVAL}"]
 CASES = {
     "ddp_w2": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
@@ -56,7 +55,7 @@ def runs(data_dir, tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in _RUNS:
-            overrides = {"reference": REFERENCE, "adamw": [*REFERENCE, "optim=adamw"]}.get(name) or CASES[name]
+            overrides = REFERENCE if name == "reference" else CASES[name]
             _OUTPUT[name] = run_dtrain(muon_args(data_dir, root / name, *overrides), check=True).stdout
             _RUNS[name] = root / name
         return _RUNS[name]
@@ -107,8 +106,9 @@ def test_owners_are_balanced_by_size():
     assert assign_owners([5, 5], 4) == [0, 1]
 
 
-def test_reference_learns_and_is_not_adamw(runs):
-    losses, adamw = train_losses(runs("reference")), train_losses(runs("adamw"))
+def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
+    """AdamW's trajectory: the session's one-process reference of the same batches (conftest)."""
+    losses, adamw = train_losses(runs("reference")), adamw_reference
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.3, losses
     assert abs(losses[STEPS] - adamw[STEPS]) > 1e-2, (losses[STEPS], adamw[STEPS])
@@ -120,37 +120,34 @@ def test_every_mode_matches_one_process(case, runs):
     assert_matches_one_process(train_losses(runs("reference")), train_losses(runs(case)), STEPS, case)
 
 
-def sigterm(run_dir: Path, proc, log: Path) -> str:
-    """SIGTERM after two logged steps: the run saves where it is and exits 128 + 15."""
-    wait_for(lambda: logged(run_dir, at_least=2), proc, log)
-    os.kill(proc.pid, signal.SIGTERM)
-    out = finish(proc, log)
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-    [(_, step, _, _)] = STOP_LINE.findall(out)
-    assert 2 <= int(step) < STEPS, out[-3000:]
-    return f"(step {step})"
-
-
-def kill_9(run_dir: Path, proc, log: Path) -> str:
-    """kill -9 past a checkpoint: no save, the run goes on from its last periodic one."""
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < STEPS
-    return f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", [sigterm, kill_9], ids=["sigterm", "kill_9"])
 @pytest.mark.parametrize("case", ["zero_w2", "fsdp_w2"])
-def test_stopped_then_the_same_command_is_bitwise(case, stop, data_dir, runs, tmp_path):
-    """Owners' momenta (zero, fsdp) come back whole from the checkpoint, whichever way the run stopped."""
+def test_sigterm_then_kill_9_then_the_same_command_is_bitwise(case, data_dir, runs, tmp_path):
+    """Owners' momenta (zero, fsdp) come back whole from the checkpoint, whichever way the run
+    stopped: SIGTERM (it saves where it is), then kill -9 of the continuation (no save: it goes on
+    from the newest checkpoint), then the same command to the end, equal to the uninterrupted run."""
     reference = runs(case)
-    run_dir, log = tmp_path / "run", tmp_path / "stopped.log"
+    run_dir, first, second = tmp_path / "run", tmp_path / "sigterm.log", tmp_path / "killed.log"
     args = muon_args(data_dir, run_dir, *CASES[case])
-    resumed_at = stop(run_dir, start_dtrain(args, log), log)
+
+    proc = start_dtrain(args, first)
+    wait_for(lambda: logged(run_dir, at_least=2), proc, first)
+    os.kill(proc.pid, signal.SIGTERM)
+    out = finish(proc, first)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    [(_, stopped, _, _)] = STOP_LINE.findall(out)
+    assert 2 <= int(stopped) < STEPS, out[-3000:]
+
+    proc = start_dtrain(args, second)  # continues from the SIGTERM's checkpoint, then is killed
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, second)  # a step past the SIGTERM's checkpoint
+    kill_group(proc)
+    assert f"(step {stopped})" in second.read_text(), second.read_text()[-3000:]
+    assert max(logged_steps(run_dir)) < STEPS
+    killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
+
     again = run_dtrain(args)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert resumed_at in again.stderr, again.stderr[-3000:]
+    assert killed_at in again.stderr, again.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)
     assert same_weights(run_dir, reference)
 

@@ -77,6 +77,7 @@ def test_stop_is_one_line_exit_1_and_saves_nothing_after_the_bad_step(stopped):
     assert max(r["step"] for r in records) == 5
 
 
+@pytest.mark.slow
 def test_stop_under_ddp_is_one_clean_line(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=6",
@@ -87,6 +88,7 @@ def test_stop_under_ddp_is_one_clean_line(data_dir, tmp_path):
     assert steps_of(run_dir) == [2]
 
 
+@pytest.mark.slow
 def test_skip_goes_on_and_counts(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=8", "train.log_interval=4",
@@ -104,6 +106,7 @@ def test_skip_goes_on_and_counts(data_dir, tmp_path):
     assert_finite_checkpoints(run_dir)
 
 
+@pytest.mark.slow
 def test_skip_stops_after_max_nonfinite_in_a_row(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=8", "checkpoint.interval=2",
@@ -144,6 +147,7 @@ def test_rollback_under_ddp_moves_the_data_on(data_dir, tmp_path):
     assert offset(10) == per_step * 13
 
 
+@pytest.mark.slow
 def test_huge_lr_never_writes_nor_rotates_away_the_finite_checkpoint(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "optim.lr=1e6", "optim.warmup_steps=1", "checkpoint.interval=1",

@@ -79,6 +79,7 @@ def test_a_finished_run_is_not_run_again_and_max_steps_cannot_change(data_dir, t
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_a_crashed_run_without_a_checkpoint_is_continued_by_the_same_command(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_args(data_dir, run_dir, "train.max_steps=150")
@@ -113,6 +114,7 @@ def test_every_schema_key_is_trajectory_or_operational_once():
         assert key_kind(key) == "trajectory", key
 
 
+@pytest.mark.slow
 def test_changed_operational_keys_continue_a_killed_run_bitwise(data_dir, tmp_path):
     """kill -9, then the same command keeping fewer checkpoints, saving and logging at other
     intervals: it continues, says what changed, and ends bitwise equal to an uninterrupted run."""
@@ -139,7 +141,8 @@ def test_changed_operational_keys_continue_a_killed_run_bitwise(data_dir, tmp_pa
     assert same_weights(run_dir, reference)
 
 
-@pytest.mark.parametrize("change, named", [("train.max_steps=8", "train.max_steps=4"), ("optim.lr=1e-3", "optim.lr")])
+@pytest.mark.parametrize("change, named", [("train.max_steps=8", "train.max_steps=4"),
+                                           pytest.param("optim.lr=1e-3", "optim.lr", marks=pytest.mark.slow)])
 def test_a_changed_trajectory_key_names_resume_path(change, named, data_dir, tmp_path):
     run_dir = tmp_path / "run"
     run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=4", "checkpoint.interval=2"), check=True)

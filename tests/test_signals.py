@@ -78,27 +78,23 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
     return log.read_text()
 
 
-def start_and_wait(mode: str, data_dir: Path, run_dir: Path, log: Path, *extra: str):
-    """A run of `mode` started in its own process group, past its first logged step, and its
-    workers' pids (rank order; empty for a one-process run)."""
+def start_and_wait(mode: str, data_dir: Path, run_dir: Path, log: Path, *extra: str, past_step: int = 0):
+    """A run of `mode` started in its own process group, past step `past_step` (its first logged step
+    by default), and its workers' pids (rank order; empty for a one-process run)."""
     args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode], *extra)
     proc = start_dtrain(args, log)
-    wait_for(lambda: logged(run_dir), proc, log)
+    wait_for(lambda: logged(run_dir, at_least=past_step + 1), proc, log)
     workers = sorted(worker_pids(proc.pid), key=lambda pid: rank_of(pid) or 0) if mode != "none" else []
     assert len(workers) == (2 if mode == "ddp" else 0), workers
     return args, proc, workers
 
 
-@pytest.mark.parametrize(("mode", "target", "sig"), [
-    ("ddp", "driver", signal.SIGTERM),
-    ("ddp", "worker", signal.SIGUSR1),  # Slurm's --signal=USR1@N; rank 1 only: rank 0 learns it
-    ("ddp", "group", signal.SIGINT),  # Ctrl-C: the driver and both workers get it at once
-    ("none", "driver", signal.SIGTERM),
-])
-def test_signal_saves_exits_and_resumes_bitwise(mode, target, sig, data_dir, reference, tmp_path):
-    ref = reference(mode)
-    run_dir, log = tmp_path / "run", tmp_path / "stopped.log"
-    args, proc, workers = start_and_wait(mode, data_dir, run_dir, log)
+def stop_once(mode: str, target: str, sig: signal.Signals, data_dir: Path, run_dir: Path, log: Path,
+              after: int) -> tuple[list[str], Path, int]:
+    """Start (or continue: resume=auto) the run, send `sig` to `target` past step `after`, and check
+    the stop: exit 128+N, one stop line, a complete checkpoint at the step it stopped, no worker left.
+    Returns the command, the checkpoint and its step."""
+    args, proc, workers = start_and_wait(mode, data_dir, run_dir, log, past_step=after)
     if target == "driver":
         os.kill(proc.pid, sig)
     elif target == "worker":
@@ -113,15 +109,38 @@ def test_signal_saves_exits_and_resumes_bitwise(mode, target, sig, data_dir, ref
     name, step, saved, code = lines[0]
     step = int(step)
     assert (name, int(code)) == (sig.name, 128 + sig), lines
-    assert 1 <= step < STEPS, f"the signal was acted on only at step {step} of {STEPS}"
+    assert after < step < STEPS, f"the signal was acted on only at step {step} of {STEPS} (sent past step {after})"
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None and is_complete(ckpt) and Path(saved) == ckpt, (saved, ckpt)
     assert checkpoint_step(ckpt) == step
     assert max(r[0] for r in loss_records(run_dir)) == step  # stopped at the step it saved
     for pid in workers:
         assert not alive(pid), f"worker {pid} still running after the driver exited"
+    return args, ckpt, step
 
-    again = run_dtrain(args)  # the same command: resume=auto continues from the signal's checkpoint
+
+# The ways a run is stopped, each sharing its mode's uninterrupted reference: a ddp run is stopped
+# three times over (each continuation resuming from the previous stop's checkpoint), then finished.
+STOPS = {
+    "ddp": [("driver", signal.SIGTERM),
+            ("worker", signal.SIGUSR1),  # Slurm's --signal=USR1@N; rank 1 only: rank 0 learns it
+            ("group", signal.SIGINT)],  # Ctrl-C: the driver and both workers get it at once
+    "none": [("driver", signal.SIGTERM)],
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("none", marks=pytest.mark.slow)])
+def test_signals_save_exit_and_the_same_command_resumes_bitwise(mode, data_dir, reference, tmp_path):
+    ref = reference(mode)
+    run_dir, step, ckpt = tmp_path / "run", 0, None
+    for i, (target, sig) in enumerate(STOPS[mode]):
+        log = tmp_path / f"stopped{i}.log"
+        args, new_ckpt, new_step = stop_once(mode, target, sig, data_dir, run_dir, log, after=step)
+        if ckpt is not None:  # this start continued from the previous stop's checkpoint
+            assert f"resuming from {ckpt} (step {step})" in log.read_text(), log.read_text()[-3000:]
+        ckpt, step = new_ckpt, new_step
+
+    again = run_dtrain(args)  # the same command: resume=auto continues from the last signal's checkpoint
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {ckpt} (step {step})" in again.stderr, again.stderr[-3000:]
     records = loss_records(run_dir)
@@ -130,7 +149,7 @@ def test_signal_saves_exits_and_resumes_bitwise(mode, target, sig, data_dir, ref
     assert same_weights(run_dir, ref)
 
 
-@pytest.mark.parametrize("mode", ["none", "ddp"])
+@pytest.mark.parametrize("mode", ["none", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_second_signal_exits_at_once_without_saving(mode, data_dir, tmp_path):
     """Both signals are pending when the driver resumes (it is stopped while they are sent), so the
     second is handled before any step boundary: deterministic, not a race against the save."""
@@ -153,6 +172,7 @@ def test_second_signal_exits_at_once_without_saving(mode, data_dir, tmp_path):
     assert not any(alive(pid) for pid in workers), "a worker outlived the driver's immediate exit"
 
 
+@pytest.mark.slow
 def test_driver_killed_leaves_no_orphans(data_dir, tmp_path):
     """kill -9 of the driver: both workers exit within 15 s, every time (the old failure was 1 in 8:
     a worker's teardown entered a barrier and waited out the process-group timeout)."""

@@ -69,6 +69,7 @@ def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
 
 
+@pytest.mark.slow
 def test_a_failed_point_is_recorded_and_the_sweep_goes_on(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     # cuda:99 passes config validation and fails in the worker at run time
@@ -92,6 +93,7 @@ def test_a_failed_point_is_recorded_and_the_sweep_goes_on(data_dir, tmp_path):
     assert [p["status"] for p in summary(sweep_dir)] == ["failed", "ok"]
 
 
+@pytest.mark.slow
 def test_fail_fast_stops_at_the_first_failed_point(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = run_dtrain(sweep_args(data_dir, "sweep.fail_fast=true", "train.device=cuda:99,cpu",
@@ -103,6 +105,7 @@ def test_fail_fast_stops_at_the_first_failed_point(data_dir, tmp_path):
     assert not (sweep_dir / "1" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     args = sweep_args(data_dir, "checkpoint.interval=3", "optim.lr=1e-3", f"hydra.sweep.dir={sweep_dir}")
@@ -197,6 +200,7 @@ def test_a_missing_hydra_plugin_names_the_extra_to_install(override, extra, modu
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not plugin_installed("hydra_plugins.hydra_optuna_sweeper"),
                     reason="the optional extra 'optuna' is not installed")
 def test_optuna_search_minimises_the_best_val_loss(data_dir, tmp_path):

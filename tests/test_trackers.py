@@ -148,6 +148,7 @@ def test_wandb_and_mlflow_log_what_metrics_jsonl_holds(data_dir, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(data_dir, tmp_path):
     """kill -9 past a checkpoint: the continuation resumes at the checkpoint, while the trackers
     already have the steps after it; they keep one value per step and the same run."""

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, train_losses
+from test_checkpoint import CKPT_ARGS, references  # noqa: F401  (references: the session's cached reference runs)
 
 
 def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
@@ -30,20 +32,20 @@ def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
     assert config["model"]["n_layer"] == 2 and config["train"]["max_steps"] == 30
 
 
-def test_plain_torchrun_runs_the_same_loop(data_dir, tmp_path):
-    common = ["train.total_batch_size=512", "train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=4"]
-    ref = tmp_path / "ref"
-    run_dtrain(tiny_args(data_dir, ref, "parallel=ddp", "world=2", *common), check=True)
+@pytest.mark.slow
+def test_plain_torchrun_runs_the_same_loop(data_dir, references, tmp_path):  # noqa: F811
+    """torchrun's own launch of the loop tracks `dtrain train parallel=ddp world=2` (the session's
+    reference run of test_checkpoint, the same command but for world=)."""
     run_dir = tmp_path / "torchrun"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "trainer", *tiny_args(data_dir, run_dir, "parallel=ddp", *common)]
+                "-m", "trainer", *tiny_args(data_dir, run_dir, *CKPT_ARGS, "parallel=ddp")]
     proc = subprocess.run(torchrun, cwd=REPO, capture_output=True, text=True, timeout=300, env=dtrain_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    losses, expected = train_losses(run_dir), train_losses(ref)
+    losses, expected = train_losses(run_dir), train_losses(references("ddp"))
     assert losses.keys() == expected.keys()
     assert max(abs(losses[s] - expected[s]) for s in expected) < 1e-6
     # only rank 0's run dir exists; the others' configs were replaced by rank 0's
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref", "torchrun"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["torchrun"]
 
 
 def test_console_script_is_installed():
