@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from trainer.optim import muon_class, muon_group, muon_kwargs
+from trainer.muon import BatchedMuon
+from trainer.optim import muon_group, muon_kwargs
 from trainer.parallel.base import load_indexed_state, row_range
 
 
@@ -61,7 +62,8 @@ class OwnedMuon:
     DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
     learning rate reaches ranks that own nothing too."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool):
+    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool,
+                 parts: dict[nn.Parameter, tuple[int, ...]]):
         self.rank, self.world, self.sharded = rank, world, sharded
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -69,7 +71,7 @@ class OwnedMuon:
         self.owners = assign_owners([param.numel() for param in self.params], world)
         self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
         self.weight_decay = optim_cfg.muon.weight_decay
-        kwargs = muon_kwargs(optim_cfg)
+        kwargs = muon_kwargs(optim_cfg, self._local(0).device)
         if sharded:
             # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
             self.work = [nn.Parameter(torch.zeros(self.shapes[i], dtype=self._local(i).dtype,
@@ -77,9 +79,9 @@ class OwnedMuon:
             kwargs["weight_decay"] = 0.0
         else:
             self.work = [self.params[i] for i in self.mine]
+        work_parts = {work: parts[self.params[i]] for work, i in zip(self.work, self.mine)}
         group = muon_group(self.work, optim_cfg)
-        optimizer_class = muon_class(optim_cfg, self._local(0).device)
-        self.inner = optimizer_class([group], **kwargs) if self.work else None
+        self.inner = BatchedMuon([group], row_parts=work_parts, **kwargs) if self.work else None
         self._idle_group = {**group, **kwargs}  # the lr's holder on a rank that owns no matrix
 
     @property
