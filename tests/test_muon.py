@@ -113,7 +113,7 @@ def test_reference_learns_and_is_not_adamw(runs):
     losses, adamw = train_losses(runs("reference")), train_losses(runs("adamw"))
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.3, losses
-    assert abs(losses[STEPS] - adamw[STEPS]) > 1e-2, (losses[STEPS], adamw[STEPS])
+    assert max(abs(losses[step] - adamw[step]) for step in losses) > 1e-2, (losses, adamw)
 
 
 @pytest.mark.slow

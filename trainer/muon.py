@@ -111,7 +111,10 @@ class BatchedMuon(torch.optim.Optimizer):
     `momentum_buffer` per parameter, so checkpoints by parameter name are those of the stock
     optimizer. `row_parts` maps a parameter to the row widths of the matrices it holds (one
     matrix when absent); `ns_dtype` is Newton-Schulz's precision (float32 lets every parallel mode
-    match one process within 1e-5 on CPU; bfloat16 is the stock optimizer's)."""
+    match one process within 1e-5 on CPU; bfloat16 is the stock optimizer's). A step skips under
+    `found_inf` (an argument, or the attribute GradScaler and trainer.optim.verdict set)."""
+
+    masks_on_device = True
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str = "original", *,
@@ -176,6 +179,8 @@ class BatchedMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         if not self._layout_is_current():
             self._build_layouts()
         for group, (families, batches) in zip(self.param_groups, self._layouts):
@@ -191,7 +196,8 @@ class BatchedMuon(torch.optim.Optimizer):
         updates = {}
         for index, family in enumerate(families):
             grads = torch.cat([p.grad for p in family.params]).view(family.momentum.shape)
-            updates[index] = self._momentum_update(grads, family.momentum, group["momentum"], group["nesterov"], found_inf)
+            updates[index] = self._momentum_update(grads, family.momentum, group["momentum"], group["nesterov"],
+                                                   found_inf)
         orthogonal = self._orthogonalize(group, families, batches, updates)
         lr, decay = group["lr"], group["lr"] * group["weight_decay"]
         keep = None if found_inf is None else 1 - found_inf.to(torch.float32)
@@ -214,10 +220,12 @@ class BatchedMuon(torch.optim.Optimizer):
             for index, b in batch.entries:
                 band, update = families[index].bands[b], updates[index]
                 L, cols = update.shape[0], update.shape[-1]
-                part = update[:, band.start: band.start + band.count * band.rows].reshape(L * band.count, band.rows, cols)
+                rows = update[:, band.start: band.start + band.count * band.rows]
+                part = rows.reshape(L * band.count, band.rows, cols)
                 pieces.append(part if band.rows == short else part.mT)
             stack = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            result = self._newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+            result = self._newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                         self.ns_dtype)
             for (index, b), piece in zip(batch.entries, result.split([p.shape[0] for p in pieces])):
                 band, L = families[index].bands[b], updates[index].shape[0]
                 piece = piece if band.rows == short else piece.mT

@@ -9,6 +9,7 @@ from `split_params`, and the run's first line shows the split (`describe_split`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -105,6 +106,31 @@ class Optimizers:
 def parts(optimizer) -> list[Any]:
     """The optimizers inside (one for AdamW alone)."""
     return optimizer.parts if isinstance(optimizer, Optimizers) else [optimizer]
+
+
+def _arithmetic(part):
+    """The optimizer object that does a part's arithmetic (ZeRO's wrappers keep it as `optim`)."""
+    return getattr(part, "optim", part)
+
+
+def masks_on_device(optimizer) -> bool:
+    """Whether every part can skip its update on a device-side verdict without a host sync: fused
+    AdamW reads `found_inf` (how GradScaler skips a step), and so do Muon's (`masks_on_device`)."""
+    return all(getattr(_arithmetic(part), "masks_on_device", False)
+               or bool(getattr(_arithmetic(part), "defaults", {}).get("fused")) for part in parts(optimizer))
+
+
+@contextlib.contextmanager
+def verdict(optimizer, found_inf: torch.Tensor | None):
+    """The step under `found_inf` (1.0: no update), set where each part's arithmetic reads it."""
+    targets = [] if found_inf is None else [_arithmetic(part) for part in parts(optimizer)]
+    for target in targets:
+        target.found_inf = found_inf
+    try:
+        yield
+    finally:
+        for target in targets:
+            del target.found_inf
 
 
 def build_optimizer(model: nn.Module, optim_cfg, device: torch.device):

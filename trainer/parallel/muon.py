@@ -60,7 +60,10 @@ class OwnedMuon:
     """torch.optim.Muon over matrices spread by owner. `named` are the (name, parameter) hidden
     matrices in model order; `sharded` says whether each rank holds only rows of them (FSDP's
     DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
-    learning rate reaches ranks that own nothing too."""
+    learning rate reaches ranks that own nothing too. A step skips under `found_inf` (the
+    attribute trainer.optim.verdict sets): the owners' Muon and the shards' decay are masked."""
+
+    masks_on_device = True
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool,
                  parts: dict[nn.Parameter, tuple[int, ...]]):
@@ -112,11 +115,12 @@ class OwnedMuon:
 
     @torch.no_grad()
     def step(self) -> None:
+        found_inf = getattr(self, "found_inf", None)
         if self.sharded:
-            self._step_sharded()
+            self._step_sharded(found_inf)
         else:
             if self.inner:
-                self.inner.step()
+                self.inner.step(found_inf=found_inf)
             self._all_gather_owned()
 
     # --- zero: whole replicas ------------------------------------------------------------------
@@ -165,7 +169,7 @@ class OwnedMuon:
     def _cols(self, i: int) -> int:
         return self.shapes[i][1]
 
-    def _step_sharded(self) -> None:
+    def _step_sharded(self, found_inf: torch.Tensor | None) -> None:
         W = self.world
         # 1. each rank's rows of every gradient to the matrix's owner
         grads = {d: [] for d in range(W)}
@@ -187,14 +191,15 @@ class OwnedMuon:
             work.zero_()
             work.grad = whole[i]
         if self.inner:
-            self.inner.step()
+            self.inner.step(found_inf=found_inf)
         # 3. each rank's rows of the updates back, then decay and update on the shards
         updates = {d: [work[self._rows(i, d)] for work, i in zip(self.work, self.mine)] for d in range(W)}
         incoming = [[(i, (self._rows(i, self.rank).stop - self._rows(i, self.rank).start) * self._cols(i))
                      for i, o in enumerate(self.owners) if o == s] for s in range(W)]
         received = self._exchange(updates, incoming)
         order = [i for s in range(W) for i, o in enumerate(self.owners) if o == s]
-        decay = 1 - self.group["lr"] * self.weight_decay
+        decay = self.group["lr"] * self.weight_decay
+        decay = 1 - decay if found_inf is None else 1 - (1 - found_inf) * decay
         for i, update in zip(order, received):
             local = self._local(i)
             local.mul_(decay)
