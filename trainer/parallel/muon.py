@@ -4,8 +4,10 @@ matrices for Newton-Schulz, each on one owner rank.
 Muon's step orthogonalizes the momentum of a whole matrix, so the row slices that ZeRO and FSDP
 hand each rank are not enough. Every hidden matrix gets one owner rank (largest first, each to the
 rank with the fewest elements so far: balanced by size, the same on every rank), which keeps the
-matrix's momentum whole and runs torch.optim.Muon's step on it (trainer/optim.py's Float32Muon
-where Newton-Schulz runs in float32):
+matrix's momentum whole and runs Muon's step on it: trainer/muon.py's BatchedMuon over the matrices
+it owns, stacked by shape, each weight's parts (q, k, v; gate, up) orthogonalized on their own.
+The owner stays per weight, balanced by size: owned by whole stack, gpt2_124m's two Newton-Schulz
+stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
 
 - zero (replicas; DDP has all-reduced the gradients): the owner steps the model's own parameter,
   then every rank's updated matrices reach every rank in one all-gather (padded to the busiest
@@ -19,10 +21,12 @@ where Newton-Schulz runs in float32):
   and step: about 2 x (W-1)/W^2 of the hidden matrices out and in, against FSDP's own (W-1)/W per
   all-gather, and no full parameter is ever gathered.
 
-The orthogonalization is torch's own code in both; only which rank computes it changes, so the
+The orthogonalization is the one-process code in both; only which rank computes it changes, so the
 numbers are those of one process (tests/test_muon.py, within 1e-5). Checkpoints hold each matrix's
-momentum whole under its parameter name, written by its owner, which is also how the stock Muon of
-none / ddp holds it: DCP moves it to any world size and mode.
+momentum whole under its parameter name, written by its owner, which is also how BatchedMuon of
+none / ddp (and the stock torch.optim.Muon before it) holds it: DCP moves it to any world size and
+mode. A step under `found_inf` (train.on_nonfinite's device-side verdict) is masked: no update,
+no decay, the momenta unchanged.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def busiest_owner_numel(shapes: list, world: int) -> int:
 
 
 class OwnedMuon:
-    """torch.optim.Muon over matrices spread by owner. `named` are the (name, parameter) hidden
+    """Muon over matrices spread by owner. `named` are the (name, parameter) hidden
     matrices in model order; `sharded` says whether each rank holds only rows of them (FSDP's
     DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
     learning rate reaches ranks that own nothing too. A step skips under `found_inf` (the
