@@ -7,6 +7,8 @@ nothing after the bad step, and no checkpoint holds a non-finite tensor.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import run_dtrain, tiny_args
@@ -25,27 +27,36 @@ def test_which_optimizers_mask_on_device():
         assert masks_on_device(optimizer) is masks, overrides
 
 
+def skipping_run(data_dir: Path, run_dir: Path, *overrides: str) -> dict[int, float]:
+    """Muon + AdamW at world 2, steps 3, 4 and 6 non-finite under on_nonfinite=skip: the losses of
+    the other steps, after checking what every skip run shows."""
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "world=2", "optim=muon", "optim.muon.weight_decay=0.1",
+                                "train.max_steps=8", "train.log_interval=1", "checkpoint.interval=4",
+                                "train.on_nonfinite=skip", *overrides), env=inject(3, 4, 6))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = strict_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert [r["step"] for r in train if r["loss"] is None] == [3, 4, 6]
+    assert records[-1]["summary"]["skipped"] == 3 and steps_of(run_dir) == [4, 8]
+    assert_finite_checkpoints(run_dir)
+    return {r["step"]: r["loss"] for r in train if r["loss"] is not None}
+
+
+@pytest.fixture(scope="module")
+def host_read(data_dir, tmp_path_factory):
+    """The reference: ddp with the plain AdamW, whose verdict the host reads before the update."""
+    return skipping_run(data_dir, tmp_path_factory.mktemp("host_read") / "run", "parallel=ddp", "optim.fused='false'")
+
+
 @pytest.mark.slow
-def test_skip_masked_on_device_is_the_skip_of_the_host_read(data_dir, tmp_path):
-    """ddp at world 2 with Muon and AdamW: fused AdamW masks on device, the plain one makes the host
-    read first. Both skip the same steps and train the same model (the two AdamW kernels round
-    differently, so within 1e-5)."""
-    losses = {}
-    for fused in ("true", "false"):
-        run_dir = tmp_path / fused
-        proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "optim=muon",
-                                    f"optim.fused='{fused}'", "optim.muon.weight_decay=0.1", "train.max_steps=8",
-                                    "train.log_interval=1", "checkpoint.interval=4", "train.on_nonfinite=skip"),
-                          env=inject(3, 4, 6))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        records = strict_metrics(run_dir)
-        train = [r for r in records if "loss" in r]
-        assert [r["step"] for r in train] == list(range(1, 9))
-        assert [r["step"] for r in train if r["loss"] is None] == [3, 4, 6]
-        assert records[-1]["summary"]["skipped"] == 3 and steps_of(run_dir) == [4, 8]
-        assert_finite_checkpoints(run_dir)
-        losses[fused] = {r["step"]: r["loss"] for r in train if r["loss"] is not None}
-    assert max(abs(losses["true"][s] - losses["false"][s]) for s in losses["false"]) < 1e-5, losses
+@pytest.mark.parametrize("mode", ["ddp", "zero", "zero_torch", "fsdp"])
+def test_skip_masked_on_device_is_the_skip_of_the_host_read(mode, host_read, data_dir, tmp_path):
+    """Fused AdamW and Muon mask the update on device in every mode that syncs replicas: the same
+    steps are skipped and the same model trained as with the host read first (the two AdamW kernels
+    round differently, so within 1e-5)."""
+    masked = skipping_run(data_dir, tmp_path / "run", f"parallel={mode}", "optim.fused='true'")
+    assert max(abs(masked[s] - host_read[s]) for s in host_read) < 1e-5, (masked, host_read)
 
 
 def test_stop_masked_on_device_saves_nothing_after_the_bad_step(data_dir, tmp_path):
