@@ -20,7 +20,7 @@ from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView, summary_table
 from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import describe_split, lr_at, set_lr
+from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
 from trainer.signals import at_step_boundary
@@ -75,6 +75,7 @@ class Run:
             self.forward = torch.compile(self.model, mode=cfg.train.compile_mode)
         self.state = TrainState()
         self.guard = NonFiniteGuard(cfg.train, rt)
+        self.masks_on_device = masks_on_device(self.optimizer)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
     def _val_loader(self) -> ShardLoader:
@@ -144,11 +145,16 @@ class Run:
 
     def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip the gradients, check the step on every rank (trainer/nonfinite.py) and update the
-        weights only when it is finite (else drop the gradients). Returns (mean loss over all
-        ranks, gradient norm before clipping)."""
+        weights only when it is finite (else drop the gradients): masked on device where the
+        optimizer can, so no host sync comes before the update. Returns (mean loss over all ranks,
+        gradient norm before clipping)."""
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        loss = self.guard.check(loss, grad_norm)
-        if self.guard.finite:
+        loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device)
+        if found_inf is not None:
+            # The update is masked on device; the verdict is read once it is queued.
+            self.strategy.optimizer_step(self.optimizer, found_inf)
+            self.guard.settle()
+        elif self.guard.finite:
             self.strategy.optimizer_step(self.optimizer)
         else:
             self.optimizer.zero_grad(set_to_none=True)

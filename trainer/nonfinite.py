@@ -4,6 +4,9 @@ The check: a step's mean loss and its gradient norm go through one all-reduce (a
 inf on any rank makes the result non-finite on every rank) and are read on the host once. That
 read is the step's only host sync: the logged loss is the same number, so logging adds none. Every
 rank decides from the same reduced numbers, so all ranks update, skip, roll back or stop together.
+Where every optimizer can mask its update on device (fused AdamW and Muon take found_inf, as
+GradScaler skips a step), the update is queued under the device-side verdict and the host reads it
+after: an accelerator is not left idle while the host waits for it before launching the update.
 
 What follows a non-finite step (no update was made for it) or validation loss:
   stop      raise NonFiniteError: one `error:` line naming the step, the numbers and the newest
@@ -61,6 +64,7 @@ class NonFiniteGuard:
         self.skipped = 0  # updates skipped in this process (skip)
         self.unlogged_skips = 0  # of those, since the last train line of metrics.jsonl
         self.rollbacks = 0
+        self._pending: torch.Tensor | None = None  # the last checked step's reduced (loss, grad norm)
 
     def poisons(self, step: int) -> bool:
         """Whether the testing hook makes the loss of the step that completes as `step + 1` non-finite."""
@@ -69,20 +73,32 @@ class NonFiniteGuard:
         self.inject.discard(step + 1)
         return True
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """All ranks' verdict on one step, before its update; returns the mean loss over ranks."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+              on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All ranks' verdict on one step, before its update; returns (the mean loss over ranks,
+        found_inf). Without `on_device` the verdict is read here (found_inf is None); with it,
+        found_inf is a device tensor (1.0: skip the update) for an optimizer that masks its update
+        on device, and `settle` reads the verdict once that update is queued."""
         stats = torch.stack([loss, grad_norm.to(loss.dtype)])
         if self.rt.distributed and self.rt.world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
             stats /= self.rt.world  # the same arithmetic as Runtime.all_reduce_mean: the same loss
-        self.loss, self.grad_norm = stats.tolist()  # the step's one host sync
+        self._pending = stats
+        if not on_device:
+            self.settle()
+            return stats[0], None
+        return stats[0], (~torch.isfinite(stats).all()).to(torch.float32)
+
+    def settle(self) -> None:
+        """Read the checked step's verdict on the host (the step's one host sync: the logged loss
+        is the same number, so logging adds none)."""
+        self.loss, self.grad_norm = self._pending.tolist()
         self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
         if self.finite:
             self.in_a_row = 0
         elif self.action == "skip":
             self.skipped += 1
             self.unlogged_skips += 1
-        return stats[0]
 
     def take_skips(self) -> int:
         """Updates skipped since the previous call (the `skipped` field of a metrics.jsonl line)."""

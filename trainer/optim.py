@@ -9,20 +9,20 @@ from `split_params`, and the run's first line shows the split (`describe_split`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.optim._muon import _adjust_lr  # torch's own per-shape lr rule, shared with the stock Muon
 
 from trainer.model import GPT
+from trainer.muon import BatchedMuon
 
 MUON_ROLES = ("hidden",)
 # What each optimizer keeps per parameter (checkpoint templates, the memory plan's state count).
-STATE_KEYS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "Muon": ("momentum_buffer",),
-              "Float32Muon": ("momentum_buffer",)}
+STATE_KEYS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "BatchedMuon": ("momentum_buffer",)}
 
 
 def split_params(model: nn.Module, optim_cfg) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
@@ -66,59 +66,21 @@ def adamw_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
     )
 
 
-class Float32Muon(torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz iteration in float32 (the stock one casts to
-    bfloat16). Why: on CPU, bfloat16 matmuls are slower than float32 ones, and bfloat16's
-    rounding turns the last-bit differences of a gradient summed in another order (accumulation,
-    all-reduce, reduce-scatter) into loss differences of ~1e-4 within 20 steps, so no mode could
-    match one process within 1e-5. The state (momentum_buffer), the momentum, the coefficients, the
-    shape-adjusted lr (torch's own _adjust_lr) and the decoupled decay are the stock optimizer's."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params, grads, buffers = [], [], []
-            self._init_group(group, params, grads, buffers)
-            lr, momentum = group["lr"], group["momentum"]
-            for param, grad, buffer in zip(params, grads, buffers):
-                buffer.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
-        return loss
-
-
-def orthogonalize(matrix: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """Keller Jordan's quintic Newton-Schulz iteration (torch.optim.Muon's), in float32."""
-    a, b, c = coefficients
-    wide = matrix.size(0) <= matrix.size(1)
-    x = matrix.float() if wide else matrix.float().T
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x if wide else x.T
-
-
-def muon_class(optim_cfg, device: torch.device) -> type[torch.optim.Muon]:
-    """torch.optim.Muon (bfloat16 Newton-Schulz) or Float32Muon, as optim.muon.ns_dtype says
-    (auto: bfloat16 on CUDA, float32 elsewhere)."""
-    dtype = optim_cfg.muon.ns_dtype
+def muon_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
+    """Keyword arguments for BatchedMuon (Newton-Schulz in bfloat16 on CUDA and float32 elsewhere
+    with optim.muon.ns_dtype=auto; its two stacked steps compiled on CUDA)."""
+    m = optim_cfg.muon
+    dtype = m.ns_dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return torch.optim.Muon if dtype == "bfloat16" else Float32Muon
-
-
-def muon_kwargs(optim_cfg) -> dict[str, Any]:
-    """Keyword arguments for torch.optim.Muon."""
-    m = optim_cfg.muon
     return dict(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-                ns_steps=m.ns_steps, adjust_lr_fn=m.adjust_lr)
+                ns_steps=m.ns_steps, adjust_lr_fn=m.adjust_lr, ns_dtype=getattr(torch, dtype),
+                compiled=device.type == "cuda")
+
+
+def muon_parts(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[nn.Parameter, tuple[int, ...]]:
+    """{hidden matrix: the row widths of the matrices it holds} (q, k, v; gate, up), as the model says."""
+    return {param: model.matrix_parts(name, param.shape[0]) for name, param in named}
 
 
 class Optimizers:
@@ -146,16 +108,41 @@ def parts(optimizer) -> list[Any]:
     return optimizer.parts if isinstance(optimizer, Optimizers) else [optimizer]
 
 
+def _arithmetic(part):
+    """The optimizer object that does a part's arithmetic (ZeRO's wrappers keep it as `optim`)."""
+    return getattr(part, "optim", part)
+
+
+def masks_on_device(optimizer) -> bool:
+    """Whether every part can skip its update on a device-side verdict without a host sync: fused
+    AdamW reads `found_inf` (how GradScaler skips a step), and so do Muon's (`masks_on_device`)."""
+    return all(getattr(_arithmetic(part), "masks_on_device", False)
+               or bool(getattr(_arithmetic(part), "defaults", {}).get("fused")) for part in parts(optimizer))
+
+
+@contextlib.contextmanager
+def verdict(optimizer, found_inf: torch.Tensor | None):
+    """The step under `found_inf` (1.0: no update), set where each part's arithmetic reads it."""
+    targets = [] if found_inf is None else [_arithmetic(part) for part in parts(optimizer)]
+    for target in targets:
+        target.found_inf = found_inf
+    try:
+        yield
+    finally:
+        for target in targets:
+            del target.found_inf
+
+
 def build_optimizer(model: nn.Module, optim_cfg, device: torch.device):
-    """AdamW over every parameter, or Optimizers([Muon, AdamW]) for optim=muon (the stock torch
-    optimizers: in none, dp and ddp every rank holds whole matrices and equal gradients)."""
+    """AdamW over every parameter, or Optimizers([BatchedMuon, AdamW]) for optim=muon (in none, dp
+    and ddp every rank holds whole matrices and equal gradients)."""
     muon, adamw = split_params(model, optim_cfg)
     inner = torch.optim.AdamW(param_groups((p for _, p in adamw), optim_cfg.weight_decay),
                               **adamw_kwargs(optim_cfg, device))
     if not muon:
         return inner
-    muon_optimizer = muon_class(optim_cfg, device)([muon_group([p for _, p in muon], optim_cfg)],
-                                                   **muon_kwargs(optim_cfg))
+    muon_optimizer = BatchedMuon([muon_group([p for _, p in muon], optim_cfg)], row_parts=muon_parts(model, muon),
+                                 **muon_kwargs(optim_cfg, device))
     return Optimizers([muon_optimizer, inner])
 
 

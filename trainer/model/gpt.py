@@ -69,6 +69,18 @@ class GPT(nn.Module):
             return "head"
         return "bias" if name.endswith(".bias") else "norm"
 
+    def matrix_parts(self, name: str, rows: int) -> tuple[int, ...]:
+        """The row widths of the separate matrices a hidden weight of `rows` rows holds side by side:
+        c_attn's q, k and v (k and v the width of the KV heads), SwiGLU's c_fc gate and up; one
+        matrix for the others. Muon orthogonalizes each on its own."""
+        c = self.config
+        if name.endswith(".attn.c_attn.weight"):
+            kv_width = c.kv_heads * c.head_dim
+            return (c.n_embd, kv_width, kv_width)
+        if name.endswith(".mlp.c_fc.weight") and c.mlp == "swiglu":
+            return (c.hidden, c.hidden)
+        return (rows,)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rotary cos/sin for `positions` (None with a learned position table)."""
         c = self.config

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.errors import ConfigError
 from trainer.model import GPT
-from trainer.optim import build_optimizer, parts
+from trainer.optim import build_optimizer, parts, verdict
 from trainer.runtime import Runtime
 
 
@@ -118,8 +118,11 @@ class Strategy:
         # max_norm=inf measures the norm without clipping (optim.grad_clip=0).
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
+        """Update and drop the gradients; `found_inf` (a device tensor, 1.0: no update) masks the
+        update on device (trainer.optim.masks_on_device says whether the optimizer can)."""
+        with verdict(optimizer, found_inf):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     # --- inference ------------------------------------------------------------------------

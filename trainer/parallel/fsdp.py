@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
-from trainer.optim import Optimizers, adamw_kwargs, param_groups, parts, split_params
+from trainer.optim import Optimizers, adamw_kwargs, muon_parts, param_groups, parts, split_params
 from trainer.parallel.base import Strategy, row_shard_numel
 from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
 
@@ -88,7 +88,8 @@ class FSDPStrategy(Strategy):
         if not muon:
             return inner
         # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
-        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=True), inner])
+        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=True,
+                                     parts=muon_parts(model, muon)), inner])
 
     # --- checkpoint state: AdamW's through DCP (DTensor shards), Muon's whole by owner ---------
     @staticmethod

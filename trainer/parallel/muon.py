@@ -4,8 +4,10 @@ matrices for Newton-Schulz, each on one owner rank.
 Muon's step orthogonalizes the momentum of a whole matrix, so the row slices that ZeRO and FSDP
 hand each rank are not enough. Every hidden matrix gets one owner rank (largest first, each to the
 rank with the fewest elements so far: balanced by size, the same on every rank), which keeps the
-matrix's momentum whole and runs torch.optim.Muon's step on it (trainer/optim.py's Float32Muon
-where Newton-Schulz runs in float32):
+matrix's momentum whole and runs Muon's step on it: trainer/muon.py's BatchedMuon over the matrices
+it owns, stacked by shape, each weight's parts (q, k, v; gate, up) orthogonalized on their own.
+The owner stays per weight, balanced by size: owned by whole stack, gpt2_124m's two Newton-Schulz
+stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
 
 - zero (replicas; DDP has all-reduced the gradients): the owner steps the model's own parameter,
   then every rank's updated matrices reach every rank in one all-gather (padded to the busiest
@@ -19,10 +21,12 @@ where Newton-Schulz runs in float32):
   and step: about 2 x (W-1)/W^2 of the hidden matrices out and in, against FSDP's own (W-1)/W per
   all-gather, and no full parameter is ever gathered.
 
-The orthogonalization is torch's own code in both; only which rank computes it changes, so the
+The orthogonalization is the one-process code in both; only which rank computes it changes, so the
 numbers are those of one process (tests/test_muon.py, within 1e-5). Checkpoints hold each matrix's
-momentum whole under its parameter name, written by its owner, which is also how the stock Muon of
-none / ddp holds it: DCP moves it to any world size and mode.
+momentum whole under its parameter name, written by its owner, which is also how BatchedMuon of
+none / ddp (and the stock torch.optim.Muon before it) holds it: DCP moves it to any world size and
+mode. A step under `found_inf` (train.on_nonfinite's device-side verdict) is masked: no update,
+no decay, the momenta unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from trainer.optim import muon_class, muon_group, muon_kwargs
+from trainer.muon import BatchedMuon
+from trainer.optim import muon_group, muon_kwargs
 from trainer.parallel.base import load_indexed_state, row_range
 
 
@@ -56,12 +61,16 @@ def busiest_owner_numel(shapes: list, world: int) -> int:
 
 
 class OwnedMuon:
-    """torch.optim.Muon over matrices spread by owner. `named` are the (name, parameter) hidden
+    """Muon over matrices spread by owner. `named` are the (name, parameter) hidden
     matrices in model order; `sharded` says whether each rank holds only rows of them (FSDP's
     DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
-    learning rate reaches ranks that own nothing too."""
+    learning rate reaches ranks that own nothing too. A step skips under `found_inf` (the
+    attribute trainer.optim.verdict sets): the owners' Muon and the shards' decay are masked."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool):
+    masks_on_device = True
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool,
+                 parts: dict[nn.Parameter, tuple[int, ...]]):
         self.rank, self.world, self.sharded = rank, world, sharded
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
@@ -69,7 +78,7 @@ class OwnedMuon:
         self.owners = assign_owners([param.numel() for param in self.params], world)
         self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
         self.weight_decay = optim_cfg.muon.weight_decay
-        kwargs = muon_kwargs(optim_cfg)
+        kwargs = muon_kwargs(optim_cfg, self._local(0).device)
         if sharded:
             # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
             self.work = [nn.Parameter(torch.zeros(self.shapes[i], dtype=self._local(i).dtype,
@@ -77,9 +86,9 @@ class OwnedMuon:
             kwargs["weight_decay"] = 0.0
         else:
             self.work = [self.params[i] for i in self.mine]
+        work_parts = {work: parts[self.params[i]] for work, i in zip(self.work, self.mine)}
         group = muon_group(self.work, optim_cfg)
-        optimizer_class = muon_class(optim_cfg, self._local(0).device)
-        self.inner = optimizer_class([group], **kwargs) if self.work else None
+        self.inner = BatchedMuon([group], row_parts=work_parts, **kwargs) if self.work else None
         self._idle_group = {**group, **kwargs}  # the lr's holder on a rank that owns no matrix
 
     @property
@@ -110,11 +119,12 @@ class OwnedMuon:
 
     @torch.no_grad()
     def step(self) -> None:
+        found_inf = getattr(self, "found_inf", None)
         if self.sharded:
-            self._step_sharded()
+            self._step_sharded(found_inf)
         else:
             if self.inner:
-                self.inner.step()
+                self.inner.step(found_inf=found_inf)
             self._all_gather_owned()
 
     # --- zero: whole replicas ------------------------------------------------------------------
@@ -163,7 +173,7 @@ class OwnedMuon:
     def _cols(self, i: int) -> int:
         return self.shapes[i][1]
 
-    def _step_sharded(self) -> None:
+    def _step_sharded(self, found_inf: torch.Tensor | None) -> None:
         W = self.world
         # 1. each rank's rows of every gradient to the matrix's owner
         grads = {d: [] for d in range(W)}
@@ -185,14 +195,15 @@ class OwnedMuon:
             work.zero_()
             work.grad = whole[i]
         if self.inner:
-            self.inner.step()
+            self.inner.step(found_inf=found_inf)
         # 3. each rank's rows of the updates back, then decay and update on the shards
         updates = {d: [work[self._rows(i, d)] for work, i in zip(self.work, self.mine)] for d in range(W)}
         incoming = [[(i, (self._rows(i, self.rank).stop - self._rows(i, self.rank).start) * self._cols(i))
                      for i, o in enumerate(self.owners) if o == s] for s in range(W)]
         received = self._exchange(updates, incoming)
         order = [i for s in range(W) for i, o in enumerate(self.owners) if o == s]
-        decay = 1 - self.group["lr"] * self.weight_decay
+        decay = self.group["lr"] * self.weight_decay
+        decay = 1 - decay if found_inf is None else 1 - (1 - found_inf) * decay
         for i, update in zip(order, received):
             local = self._local(i)
             local.mul_(decay)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.optim import Optimizers, adamw_kwargs, param_groups, parts, split_params
+from trainer.optim import Optimizers, adamw_kwargs, muon_parts, param_groups, parts, split_params
 from trainer.parallel.base import load_indexed_state, row_range, row_shard_numel
 from trainer.parallel.ddp import DDPStrategy
 from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
@@ -165,7 +165,8 @@ class ZeroStrategy(DDPStrategy):
         if not muon:
             return zero
         # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
-        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=False), zero])
+        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=False,
+                                     parts=muon_parts(raw, muon)), zero])
 
     @staticmethod
     def _split(optimizer) -> tuple[ZeroOptimizer, OwnedMuon | None]:

@@ -23,13 +23,14 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from trainer.muon import BatchedMuon
 from trainer.optim import (
     STATE_KEYS,
     Optimizers,
     adamw_kwargs,
-    muon_class,
     muon_group,
     muon_kwargs,
+    muon_parts,
     param_groups,
     parts,
     split_params,
@@ -69,11 +70,12 @@ class ZeroTorchStrategy(DDPStrategy):
         )
         if not muon:
             return inner
-        # optim=muon: ZeroRedundancyOptimizer partitions whole parameters, so each rank's stock Muon
-        # sees whole matrices (and broadcasts them after its step, as for AdamW).
+        # optim=muon: ZeroRedundancyOptimizer partitions whole parameters, so each rank's Muon sees
+        # whole matrices, steps its share as stacks and broadcasts them after its step, as for AdamW.
         return Optimizers([ZeroRedundancyOptimizer([muon_group([p for _, p in muon], optim_cfg)],
-                                                   optimizer_class=muon_class(optim_cfg, self.rt.device),
-                                                   **muon_kwargs(optim_cfg)),
+                                                   optimizer_class=BatchedMuon,
+                                                   row_parts=muon_parts(self.unwrap(model), muon),
+                                                   **muon_kwargs(optim_cfg, self.rt.device)),
                            inner])
 
     # --- checkpoint state: this rank's parameters, whole, by name -----------------------------
