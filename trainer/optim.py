@@ -54,10 +54,8 @@ def muon_group(params: list[nn.Parameter], optim_cfg) -> dict[str, Any]:
 
 def adamw_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
     """Keyword arguments for torch.optim.AdamW (shared by the plain and ZeRO optimizers)."""
-    if optim_cfg.fused == "auto":
-        fused = device.type == "cuda"
-    else:
-        fused = optim_cfg.fused == "true"
+    choice = optim_cfg.fused.lower()  # `optim.fused=true` arrives as 'True' (Hydra reads a bool)
+    fused = device.type == "cuda" if choice == "auto" else choice == "true"
     return dict(
         lr=optim_cfg.lr,
         betas=tuple(optim_cfg.betas),

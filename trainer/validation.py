@@ -206,7 +206,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.muon.ns_dtype={o.muon.ns_dtype!r} must be one of {', '.join(MUON_NS_DTYPES)}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
-    if o.fused not in ("auto", "true", "false"):
+    if o.fused.lower() not in ("auto", "true", "false"):  # Hydra reads `optim.fused=true` as a bool: 'True' here
         raise ConfigError(f"optim.fused={o.fused!r} must be auto, true or false")
     if p.mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"parallel.mixed_precision={p.mixed_precision!r} must be one of {', '.join(MIXED_PRECISION)}")
