@@ -34,7 +34,7 @@ from benchmarks.harness import on_every_rank  # noqa: E402
 from trainer.checkpoint.layout import latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.compose import compose  # noqa: E402
-from trainer.config import from_dict, to_dict  # noqa: E402
+from trainer.config import batch_plan, from_dict, to_dict  # noqa: E402
 from trainer.launch import run_workers  # noqa: E402
 from trainer.loop import TrainState  # noqa: E402
 from trainer.model import build_model  # noqa: E402
@@ -59,7 +59,7 @@ def _build(cfg, rt):
     optimizer.step()  # allocates AdamW's state (exp_avg, exp_avg_sq) for every parameter
     optimizer.zero_grad(set_to_none=True)
     return SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
-                           state=TrainState(step=1, tokens=0), plan=SimpleNamespace(total_batch_size=0))
+                           state=TrainState(step=1, tokens=0), plan=batch_plan(cfg, 1))
 
 
 def _timed(rt, fn) -> float:

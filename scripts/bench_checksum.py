@@ -40,6 +40,7 @@ from trainer.checkpoint.layout import MARKER, latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.checkpoint.verify import SafeReader  # noqa: E402
 from trainer.compose import compose  # noqa: E402
+from trainer.config import batch_plan  # noqa: E402
 from trainer.io import write_durable  # noqa: E402
 from trainer.loop import TrainState  # noqa: E402
 from trainer.model import build_model  # noqa: E402
@@ -68,7 +69,7 @@ def checkpointer_saves(cfg, rt, strategy, model, optimizer, run_dir: Path) -> tu
     """The real Checkpointer.save: (how long it blocks the training thread with checksums hashed in
     the background, how long until the checkpoint is published with its checksums)."""
     run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
-                          state=TrainState(step=1, tokens=0), plan=SimpleNamespace(total_batch_size=0))
+                          state=TrainState(step=1, tokens=0), plan=batch_plan(cfg, 1))
     checkpointer = Checkpointer(cfg, rt, run_dir)
     start = time.perf_counter()
     checkpointer.save(run, wait=False)

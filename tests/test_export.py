@@ -23,6 +23,7 @@ from trainer.cli import main
 from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
 from trainer.compose import compose
+from trainer.config import batch_plan
 from trainer.data import tokenizer
 from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
@@ -55,7 +56,7 @@ def trained(tmp_path_factory):
         model(x, torch.roll(x, -1, 1))[1].backward()
         strategy.optimizer_step(optimizer)
     run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
-                          state=TrainState(step=3, tokens=96), plan=SimpleNamespace(total_batch_size=32))
+                          state=TrainState(step=3, tokens=96), plan=batch_plan(cfg, 1))
     checkpointer = Checkpointer(cfg, rt, run_dir)
     checkpointer.save(run)
     checkpointer.close()

@@ -17,7 +17,7 @@ from trainer.checkpoint.finite import nonfinite_tensors
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
-from trainer.config import from_dict
+from trainer.config import batch_plan, from_dict
 from trainer.errors import NonFiniteError
 from trainer.loop import TrainState
 from trainer.metrics import MetricsLogger
@@ -173,7 +173,7 @@ def _nan_checkpoint(run_dir: Path, monkeypatch) -> None:
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
     loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "shard_pos": 0, "token_offset": 0})
     run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=loader,
-                          state=TrainState(step=99, tokens=0), plan=SimpleNamespace(total_batch_size=1))
+                          state=TrainState(step=99, tokens=0), plan=batch_plan(cfg, 1))
     checkpointer = manager.Checkpointer(cfg, rt, run_dir)
     with pytest.raises(NonFiniteError, match="refusing to save checkpoint step_000099: 1 tensor with NaN"):
         checkpointer.save(run)  # the guard
