@@ -57,6 +57,7 @@ def test_bench_rejects_unknown_mode(tmp_path):
     assert proc.returncode == 2 and "unknown mode 'tp'" in proc.stdout
 
 
+@pytest.mark.slow
 def test_metrics_carry_mfu_when_the_peak_is_known(data_dir, tmp_path):
     from trainer.compose import compose
     from trainer.model import build_model

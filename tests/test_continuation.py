@@ -72,6 +72,7 @@ def test_world_change_keeps_the_global_batch_or_says_so(data_dir, tmp_path):
     assert all(got[s] == want[s] for s in range(1, stopped_at + 1))
 
 
+@pytest.mark.slow
 def test_data_prepared_again_from_other_text_is_refused(tmp_path):
     root, source = tmp_path / "data", tmp_path / "notes.txt"
     text = corpus_text()

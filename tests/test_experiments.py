@@ -50,6 +50,7 @@ def test_command_line_overrides_beat_the_preset():
     assert cfg.train.log_interval == 1  # the preset's value where the command line says nothing
 
 
+@pytest.mark.slow
 def test_debug_preset_runs_with_every_periodic_action(data_dir, tmp_path):
     run = tmp_path / "run"
     run_dtrain(["train", "experiment=debug", "data=text", "data.name=corpus", f"data.dir={data_dir}",

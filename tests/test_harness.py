@@ -117,6 +117,7 @@ def test_result_file_and_report(ours, harness_run):
         assert needle in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_limit_and_step(harness_run, harness_tasks, tmp_path):
     """--limit scores the first N documents of each task; --step picks a checkpoint."""
     proc = run_dtrain(["eval", str(harness_run), "--tasks", "dtrain_mc", "--include-path", str(harness_tasks),

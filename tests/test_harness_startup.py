@@ -60,7 +60,8 @@ def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
     return run, tasks, (tasks / "dtrain_unused.yaml").resolve()
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
 def test_the_task_index_is_built_once_per_command(world, setup, tmp_path):
     run, tasks, sentinel = setup
     hook = tmp_path / "hook"

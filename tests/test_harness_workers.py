@@ -85,6 +85,7 @@ def test_log_samples_are_the_harness_records(both, harness_hf_model, harness_tas
                     assert math.isclose(float(x), float(y), rel_tol=1e-5), (task, x, y)
 
 
+@pytest.mark.slow
 def test_unsupported_generation_settings_are_one_line(harness_run, harness_tasks, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -291,6 +291,7 @@ def trained_run(data_dir, tmp_path_factory):
     return {"run_dir": run_dir, "cfg": cfg, "model": model, "files": files}
 
 
+@pytest.mark.slow
 def test_trained_model_tells_apart_what_it_can(trained_run):
     from trainer.model import build_model
 

@@ -97,6 +97,7 @@ def exported(llama_run, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_export_is_a_llama_transformers_loads(llama_run, exported):
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
@@ -122,6 +123,7 @@ def first_val_loss_from(data_dir: Path, run_dir: Path, source: Path) -> float:
     return [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r][-1]
 
 
+@pytest.mark.slow
 def test_init_from_the_export_resaved_by_transformers_starts_at_the_source_val_loss(llama_run, exported, data_dir,
                                                                                        tmp_path):
     """The resaved folder starts exactly where dtrain's own export does, and that is the source's
@@ -250,6 +252,7 @@ def test_unsupported_llama_variants_are_named(tmp_path):
     (["model.mlp=relu2"], "the nearest, Llama, lacks model.mlp=relu2 (Llama's is swiglu)"),
     (["model.qk_norm=true", "model.bias=true"], "Qwen3's (its QK-norm family) has no MLP biases"),
 ], ids=["relu2", "qk_norm_with_bias"])
+@pytest.mark.slow
 def test_export_of_a_block_no_hub_format_has_is_one_line(overrides, needle, data_dir, tmp_path):
     run_dir = tmp_path / "run"
     run_dtrain(llama_args(data_dir, run_dir, "train.max_steps=1", *overrides), check=True)

@@ -101,6 +101,7 @@ def step0_checkpoint(args: list[str]) -> subprocess.CompletedProcess:
     return run_dtrain([*args, "train.max_steps=1", "train.on_nonfinite=skip"], env=env)
 
 
+@pytest.mark.slow
 def test_fsdp_world2_starts_from_the_hf_weights(hf_folder, data_dir, tmp_path):
     """A real `dtrain train parallel=fsdp world=2` (each rank reads only its shards): the step-0
     weights equal the HF file's bitwise and give transformers' logits."""
@@ -165,6 +166,7 @@ def test_padding_back_from_an_unpadded_run(source_run, data_dir, tmp_path):
         assert torch.equal(back.state_dict()[name][:VOCAB], tensor[:VOCAB]), name
 
 
+@pytest.mark.slow
 def test_finetune_lowers_the_val_loss(source_run, data_dir, tmp_path):
     run_dir = tmp_path / "finetune"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.eval_batches=4",

@@ -86,7 +86,8 @@ def whole_head(data_dir, tmp_path_factory):
     return _losses(data_dir, tmp_path_factory.mktemp("whole") / "run", *MODES["none"])
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == "fsdp" else pytest.mark.slow) for m in MODES])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
 def test_training_with_loss_chunks_tracks_the_whole_loss(mode, whole_head, data_dir, tmp_path):
     """fsdp (the tied head's weight unsharded in the root unit) is the quick tier's case."""
     got = _losses(data_dir, tmp_path / "run", *MODES[mode], "train.loss_chunks=4")

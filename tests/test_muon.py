@@ -108,6 +108,7 @@ def test_owners_are_balanced_by_size():
     assert assign_owners([5, 5], 4) == [0, 1]
 
 
+@pytest.mark.slow
 def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
     """AdamW's trajectory: the session's one-process reference of the same batches (conftest)."""
     losses, adamw = train_losses(runs("reference")), adamw_reference

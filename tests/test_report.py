@@ -37,6 +37,7 @@ def copy_run(src: Path, dst: Path, overrides: list[str]) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_report_of_a_run_writes_valid_pngs_of_the_expected_size(run_dir, tmp_path):
     out = tmp_path / "figures"
     proc = run_dtrain(["report", str(run_dir), "--out", str(out)])

@@ -29,6 +29,7 @@ def output(proc) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir, tmp_path):
     # The default sweep dir (multirun/${now:...}) under a fresh working directory: the only
     # folder the sweep may create is that one (workers get the composed config, never compose).

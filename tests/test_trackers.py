@@ -115,6 +115,7 @@ def file_store(monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
+@pytest.mark.slow
 def test_wandb_and_mlflow_log_what_metrics_jsonl_holds(data_dir, tmp_path):
     pytest.importorskip("wandb")
     mlflow = pytest.importorskip("mlflow")
