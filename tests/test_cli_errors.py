@@ -102,6 +102,7 @@ def test_sharding_modes_at_world_one_warn_but_run(data_dir, tmp_path):
     assert "shards nothing" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_fails_within_bounded_time(data_dir, tmp_path):
     start = time.monotonic()
     proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "parallel=ddp", "world=2", "launch.nnodes=2",

@@ -339,6 +339,7 @@ def test_same_counts_for_world_1_2_4(trained_run):
     assert results[1] == results[2] == results[4], results
 
 
+@pytest.mark.slow
 def test_eval_command_errors(trained_run, tmp_path):
     run_dir = trained_run["run_dir"]
     proc = run_dtrain(["eval", str(tmp_path)])

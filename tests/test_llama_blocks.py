@@ -63,6 +63,7 @@ def runs(data_dir, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 def test_reference_learns(runs):
     losses = train_losses(runs("reference"))
     assert sorted(losses) == list(range(1, STEPS + 1))

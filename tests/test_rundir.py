@@ -64,6 +64,7 @@ def test_a_second_run_in_a_live_runs_directory_is_refused_and_touches_nothing(da
         first.wait()
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_run_again_and_max_steps_cannot_change(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=4"), check=True)

@@ -21,6 +21,7 @@ def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_tensorboard_logger_writes_the_metrics_as_scalars(data_dir, tmp_path):
     run = tmp_path / "run"
     run_dtrain(tiny_args(data_dir, run, "logger=tensorboard", "train.max_steps=8", "train.eval_interval=4"),
