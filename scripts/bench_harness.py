@@ -59,7 +59,8 @@ from trainer.checkpoint.hf import hf_config, to_hf_state_dict  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import to_dict  # noqa: E402
 from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer  # noqa: E402
-from trainer.evals.harness import DtrainLM, task_manager  # noqa: E402
+from trainer.evals.harness import DtrainLM  # noqa: E402
+from trainer.evals.task_index import task_manager  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.rundir import write_config_record  # noqa: E402
 

@@ -1,16 +1,19 @@
-"""`dtrain eval RUN --tasks T` builds lm-evaluation-harness's task index once per command.
+"""`dtrain eval RUN --tasks T` builds lm-evaluation-harness's task index once per command, and the
+built-in part of it once per installed harness.
 
 Building the index parses every task YAML the harness ships (~14k files, seconds), and it used to
 happen twice: in the driver, which checks the task names before anything is written, and again in
-the worker. Counted for real: a sitecustomize (loaded by the driver and by every spawned worker)
-records each process that opens a YAML file which only an index build reads, through Python's
-audit hook on `open`.
+the worker; and again in every later command. Counted for real: a sitecustomize (loaded by the
+driver and by every spawned worker) records each process that opens a YAML file which only an index
+build reads (an --include-path task no command asks for, a built-in task), through Python's audit
+hook on `open`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,19 +22,21 @@ from conftest import REPO, dtrain_env, run_dtrain
 
 from trainer.compose import compose
 from trainer.config import to_dict
+from trainer.data.tokenizer import cached_ranks_path
 from trainer.model import build_model
 from trainer.rundir import write_config_record
 
-pytest.importorskip("lm_eval")
+harness_tasks = pytest.importorskip("lm_eval.tasks")
 
 COUNT_OPENS = """
 import os, sys
-_SENTINEL, _LOG = os.environ["DTRAIN_TEST_SENTINEL"], os.environ["DTRAIN_TEST_OPENS"]
+_SENTINELS = set(os.environ["DTRAIN_TEST_SENTINEL"].split(os.pathsep))
+_LOG = os.environ["DTRAIN_TEST_OPENS"]
 
 def _count(event, args):
-    if event == "open" and isinstance(args[0], (str, os.PathLike)) and os.fspath(args[0]) == _SENTINEL:
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and os.fspath(args[0]) in _SENTINELS:
         with open(_LOG, "a") as log:
-            log.write(f"{os.getpid()}\\n")
+            log.write(f"{os.getpid()} {os.fspath(args[0])}\\n")
 
 sys.addaudithook(_count)
 """
@@ -60,17 +65,22 @@ def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
     return run, tasks, (tasks / "dtrain_unused.yaml").resolve()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_the_task_index_is_built_once_per_command(world, setup, tmp_path):
+BUILT_IN = Path(harness_tasks.__file__).parent / "hellaswag" / "hellaswag.yaml"
+
+
+def count_opens(setup, tmp_path: Path, world: int, cache: Path) -> dict[Path, list[str]]:
+    """Run `dtrain eval --tasks dtrain_gen` at `world` with DTRAIN_CACHE_DIR=`cache`: sentinel
+    YAML -> the processes that opened it (an index build reads both: ours, then the harness's)."""
     run, tasks, sentinel = setup
     hook = tmp_path / "hook"
-    hook.mkdir()
+    hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(COUNT_OPENS)
     opens = tmp_path / "opens.txt"
+    opens.unlink(missing_ok=True)
     env = dtrain_env()
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]),
-               DTRAIN_TEST_SENTINEL=str(sentinel), DTRAIN_TEST_OPENS=str(opens))
+               DTRAIN_TEST_SENTINEL=os.pathsep.join([str(sentinel), str(BUILT_IN)]), DTRAIN_TEST_OPENS=str(opens),
+               DTRAIN_CACHE_DIR=str(cache))
     proc = run_dtrain(["eval", str(run), "--tasks", "dtrain_gen", "--include-path", str(tasks), "--batch-size", "2",
                        "--device", "cpu", f"ckpt={run / 'weights.pt'}", f"world={world}",
                        "launch.threads_per_worker=1"], env=env)
@@ -78,4 +88,36 @@ def test_the_task_index_is_built_once_per_command(world, setup, tmp_path):
     record = json.loads((run / "eval_harness.json").read_text())
     assert record["world"] == world and record["requests"] == {"generate_until": 4}
     assert "exact_match,none" in record["results"]["dtrain_gen"]
-    assert len(opens.read_text().split()) == 1, f"the task index was built by processes {opens.read_text().split()}"
+    found: dict[Path, list[str]] = {sentinel: [], BUILT_IN: []}
+    for line in opens.read_text().splitlines() if opens.exists() else []:
+        pid, path = line.split(" ", 1)
+        found[Path(path)].append(pid)
+    return found
+
+
+def a_cache(tmp_path: Path) -> Path:
+    """A new DTRAIN_CACHE_DIR holding only the GPT-2 ranks (so nothing is fetched)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(cached_ranks_path(), cache / cached_ranks_path().name)
+    return cache
+
+
+def built_once(found: dict[Path, list[str]]) -> None:
+    for sentinel, pids in found.items():
+        assert len(pids) == 1, f"{sentinel.name} was indexed by processes {pids}"
+
+
+@pytest.mark.slow
+def test_the_task_index_is_built_once_by_two_workers(setup, tmp_path):
+    built_once(count_opens(setup, tmp_path, 2, a_cache(tmp_path)))
+
+
+@pytest.mark.slow
+def test_the_next_command_reads_the_built_in_index_from_the_cache(setup, tmp_path):
+    cache = a_cache(tmp_path)
+    built_once(count_opens(setup, tmp_path, 1, cache))  # one worker, in the driver: built once, and kept
+    assert list((cache / "lm_eval_tasks").glob("*.pickle"))
+    second = count_opens(setup, tmp_path, 1, cache)
+    assert second[BUILT_IN] == [], "the built-in task index was built again"
+    assert len(second[setup[2]]) == 1  # --include-path is indexed afresh: the user's folder may change

@@ -95,9 +95,9 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     # The harness (seconds to import) and its task index only now, after every check that needs neither;
     # the task names are checked before the weights are read.
     offline = hub_unreachable()  # before the harness imports the Hub's clients, which read it
-    from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
+    from trainer.evals import harness, task_index  # the optional extra dtrain[harness]: only for --tasks
 
-    manager = harness.task_manager(args.include_path)
+    manager = task_index.task_manager(args.include_path)
     harness.check_tasks(tasks, manager)
     if offline:  # the tasks' data from the cache, or one line now (not after the workers' retries)
         harness.load_tasks(tasks, manager, offline)

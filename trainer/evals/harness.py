@@ -227,10 +227,6 @@ class DtrainLM(TemplateLM):
                 for (index, _, _, _), tokens in zip(rows, new)]
 
 
-def task_manager(include_path: str | None) -> TaskManager:
-    return TaskManager(include_path=include_path)
-
-
 def check_tasks(tasks: list[str], manager: TaskManager) -> None:
     """Every requested name must be a task, group or tag the harness (or --include-path) knows."""
     unknown = [t for t in tasks if not manager.match_tasks([t])]
