@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,3 +54,33 @@ def test_console_script_is_installed():
     assert script.exists() or shutil.which("dtrain")
     proc = subprocess.run([str(script) if script.exists() else "dtrain", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: dtrain" in proc.stdout
+
+
+EXIT_HOOK = """
+import atexit, gc, os, sys
+def _report():
+    with open(os.environ["DTRAIN_TEST_EXITS"], "a") as log:
+        log.write(f"{os.getpid()} {os.getppid()} {gc.get_freeze_count()} {' '.join(sys.argv)}\\n")
+atexit.register(_report)
+"""
+
+
+@pytest.mark.slow
+def test_the_command_and_its_workers_leave_without_a_final_collection(data_dir, tmp_path):
+    """The console script and each worker freeze their objects before they exit (trainer.cli.run,
+    trainer.launch.worker_process), which spares them the interpreter's last collections over all
+    of torch (~0.3 s a process); counted at exit by a sitecustomize in every process."""
+    hook, exits = tmp_path / "hook", tmp_path / "exits.txt"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(EXIT_HOOK)
+    env = {**dtrain_env(), "PYTHONPATH": f"{hook}:{REPO}", "DTRAIN_TEST_EXITS": str(exits)}
+    script = Path(sys.executable).parent / "dtrain"
+    args = tiny_args(data_dir, tmp_path / "run", "train.max_steps=2", "parallel=ddp", "world=2")
+    proc = subprocess.run([str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # pid, parent pid, objects frozen, argv (spawned workers carry the driver's argv)
+    reports = [line.split(" ", 3) for line in exits.read_text().splitlines()]
+    (driver,) = [(pid, int(count)) for pid, parent, count, _ in reports if int(parent) == os.getpid()]
+    workers = [int(count) for _, parent, count, argv in reports if parent == driver[0] and argv.startswith(str(script))]
+    assert len(workers) == 2, reports  # besides them, the driver's resource tracker (python -c), which does not
+    assert driver[1] > 0 and all(count > 0 for count in workers), reports

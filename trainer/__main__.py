@@ -1,4 +1,4 @@
-from trainer.cli import main
+from trainer.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

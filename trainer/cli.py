@@ -8,6 +8,7 @@ command never pay for another command's imports (torch above all).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -63,3 +64,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
+
+
+def run() -> None:
+    """The `dtrain` command (and `python -m trainer`): main(), then out of the interpreter without
+    its final garbage collections over every object torch and the run left behind (about 0.3 s of
+    each command's exit). Freezing them moves them out of the collector's reach: nothing is lost,
+    since Python does not promise to finalize objects still alive at exit, and files, logs and
+    atexit handlers are closed and run as usual."""
+    try:
+        main()
+    finally:
+        gc.freeze()
