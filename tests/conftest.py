@@ -70,14 +70,44 @@ def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 REFERENCE_STEPS = 16
 REFERENCE_BATCH = ["train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={REFERENCE_STEPS}",
                    "optim.lr=1e-3"]
+ONE_PROCESS = ["parallel=none", "train.micro_batch_size=2"]  # the reference: accumulation 4
+# Muon's runs of the same batches (test_muon, test_compat): decay on, so fsdp's per-shard decay is
+# checked too, and a checkpoint every 4 steps, so a parity run is also a resume test's reference.
+MUON_BATCH = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", "checkpoint.interval=4"]
+# Each parallel mode at world 2 (or one process) on those 256-token steps, as test_parity,
+# test_muon and test_compat run them: micro batch x 32 tokens x world x accumulation = 256.
+MODE_RUNS = {
+    "none": ["parallel=none", "train.micro_batch_size=8"],
+    "dp": ["parallel=dp", "train.micro_batch_size=4"],
+    "ddp": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
+    "zero": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
+    "zero_torch": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
+    "fsdp": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+}
+_SHARED_RUNS: dict[tuple[str, ...], tuple[Path, str]] = {}
 
 
 @pytest.fixture(scope="session")
-def adamw_reference(data_dir, tmp_path_factory) -> dict[int, float]:
+def shared_run(data_dir, tmp_path_factory):
+    """args -> (run dir, stdout) of the uninterrupted `tiny_args(data_dir, <dir>, *args)` run,
+    trained once per session: the modules that check the same run (test_parity's and test_compat's
+    modes, test_muon's and test_compat's Muon runs, the references) share it. Read-only: a test
+    that continues or damages a run makes its own."""
+    root = tmp_path_factory.mktemp("shared_runs")
+
+    def get(*args: str) -> tuple[Path, str]:
+        if args not in _SHARED_RUNS:
+            run_dir = root / f"run_{len(_SHARED_RUNS)}"
+            _SHARED_RUNS[args] = run_dir, run_dtrain(tiny_args(data_dir, run_dir, *args), check=True).stdout
+        return _SHARED_RUNS[args]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def adamw_reference(shared_run) -> dict[int, float]:
     """step -> loss of the one-process AdamW reference (micro batch 2, accumulation 4)."""
-    run_dir = tmp_path_factory.mktemp("adamw_reference") / "run"
-    run_dtrain(tiny_args(data_dir, run_dir, *REFERENCE_BATCH, "parallel=none", "train.micro_batch_size=2"),
-               check=True)
+    run_dir, _ = shared_run(*REFERENCE_BATCH, *ONE_PROCESS)
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
     return losses

@@ -11,11 +11,20 @@ at length: a torch API missing or changed on the floor fails here.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_matches_one_process, run_dtrain, tiny_args, train_losses
+from conftest import (
+    MODE_RUNS,
+    MUON_BATCH,
+    ONE_PROCESS,
+    REFERENCE_BATCH,
+    REFERENCE_STEPS,
+    assert_matches_one_process,
+    run_dtrain,
+    tiny_args,
+    train_losses,
+)
 from test_checkpoint import (
     kill_group,
     logged_steps,
@@ -32,46 +41,23 @@ from trainer.checkpoint.weights import model_from_run
 
 pytestmark = pytest.mark.compat
 
-STEPS, INTERVAL = 12, 4  # enough steps after a checkpoint for kill -9 to land in the middle of a run
-COMMON = ["train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={STEPS}", "optim.lr=1e-3",
-          f"checkpoint.interval={INTERVAL}"]
-# mode -> overrides; micro batch x 32 tokens x world x accumulation = 256 tokens a step in every mode
-MODES = {
-    "none": ["parallel=none", "train.micro_batch_size=8"],
-    "dp": ["parallel=dp", "train.micro_batch_size=4"],
-    "ddp": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
-    "zero": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
-    "zero_torch": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
-    "fsdp": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
-}
-REFERENCE = ["parallel=none", "train.micro_batch_size=2"]  # accumulation 4: not the same run as "none"
-OPTIMIZERS = ["adamw", "muon"]
-_RUNS: dict[tuple[str, str], Path] = {}
-
-
-def compat_args(data_dir: Path, run_dir: Path, optim: str, overrides: list[str]) -> list[str]:
-    return tiny_args(data_dir, run_dir, *COMMON, f"optim={optim}", *overrides)
+STEPS = REFERENCE_STEPS
+# optimizer -> the settings of its runs: 256-token steps, and for Muon a checkpoint every 4 steps
+# (kill -9 lands between them). The same runs as test_parity's and test_muon's, shared with them
+# (conftest.shared_run) when the whole suite runs; the compat tier alone makes its own.
+OPTIMIZERS = {"adamw": REFERENCE_BATCH, "muon": MUON_BATCH}
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
-    """(mode or "reference", optimizer) -> the run dir of an uninterrupted run, made once per module."""
-    root = tmp_path_factory.mktemp("compat")
-
-    def get(mode: str, optim: str) -> Path:
-        if (mode, optim) not in _RUNS:
-            run_dir = root / f"{mode}_{optim}"
-            overrides = REFERENCE if mode == "reference" else MODES[mode]
-            run_dtrain(compat_args(data_dir, run_dir, optim, overrides), check=True)
-            _RUNS[mode, optim] = run_dir
-        return _RUNS[mode, optim]
-
-    return get
+def runs(shared_run):
+    """(mode or "reference", optimizer) -> the run dir of the session's uninterrupted run."""
+    return lambda mode, optim: shared_run(*OPTIMIZERS[optim], *(ONE_PROCESS if mode == "reference"
+                                                                else MODE_RUNS[mode]))[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", OPTIMIZERS)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(MODE_RUNS))
 def test_every_mode_and_optimizer_matches_one_process(mode, optim, runs):
     reference = train_losses(runs("reference", optim))
     assert reference[STEPS] < reference[1], reference  # it learns
@@ -85,7 +71,7 @@ def test_sharded_kill_9_then_the_same_command_is_bitwise(data_dir, runs, tmp_pat
     and its workers past a checkpoint, then the same command continues bit for bit."""
     reference = runs("fsdp", "muon")
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
-    args = compat_args(data_dir, run_dir, "muon", MODES["fsdp"])
+    args = tiny_args(data_dir, run_dir, *MUON_BATCH, *MODE_RUNS["fsdp"])
     proc = start_dtrain(args, log)
     wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
     kill_group(proc)
@@ -131,5 +117,5 @@ def test_plan_prints_every_mode_for_muon():
                        "--device-memory", "8GiB"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│")]
-    assert rows == list(MODES), proc.stdout
+    assert rows == list(MODE_RUNS), proc.stdout
     assert "max micro batch" in proc.stdout and "8.00 GiB" in proc.stdout

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process, run_dtrain, tiny_args, train_losses
+from conftest import (
+    MODE_RUNS,
+    MUON_BATCH,
+    ONE_PROCESS,
+    REFERENCE_STEPS,
+    assert_matches_one_process,
+    run_dtrain,
+    tiny_args,
+    train_losses,
+)
 from test_checkpoint import kill_group, logged_steps, loss_records, past_a_checkpoint, same_weights, start_dtrain
 from test_signals import STOP_LINE, finish, logged, wait_for
 
@@ -28,40 +37,27 @@ from trainer.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
 from trainer.optim import build_optimizer, parts, split_params
 from trainer.parallel.muon import assign_owners
 
-STEPS, INTERVAL = REFERENCE_STEPS, 4
-COMMON = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", f"checkpoint.interval={INTERVAL}"]
+STEPS, INTERVAL = REFERENCE_STEPS, 4  # MUON_BATCH saves a checkpoint every 4 steps
 CASES = {
-    "ddp_w2": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
+    "ddp_w2": MODE_RUNS["ddp"],
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
-    "zero_w2": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
+    "zero_w2": MODE_RUNS["zero"],
     "zero_w4": ["parallel=zero", "world=4", "train.micro_batch_size=2"],
-    "zero_torch_w2": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
+    "zero_torch_w2": MODE_RUNS["zero_torch"],
     "zero_torch_w4": ["parallel=zero_torch", "world=4", "train.micro_batch_size=1"],
-    "fsdp_w2": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+    "fsdp_w2": MODE_RUNS["fsdp"],
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
 }
-REFERENCE = ["parallel=none", "train.micro_batch_size=2"]
-_RUNS: dict[str, Path] = {}
-_OUTPUT: dict[str, str] = {}
 
 
 def muon_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return tiny_args(data_dir, run_dir, *COMMON, *extra)
+    return tiny_args(data_dir, run_dir, *MUON_BATCH, *extra)
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
-    """name -> the run dir of an uninterrupted run (made on first use, once per module)."""
-    root = tmp_path_factory.mktemp("muon")
-
-    def get(name: str) -> Path:
-        if name not in _RUNS:
-            overrides = REFERENCE if name == "reference" else CASES[name]
-            _OUTPUT[name] = run_dtrain(muon_args(data_dir, root / name, *overrides), check=True).stdout
-            _RUNS[name] = root / name
-        return _RUNS[name]
-
-    return get
+def runs(shared_run):
+    """name ("reference" or a case) -> (run dir, stdout) of the session's uninterrupted Muon run."""
+    return lambda name: shared_run(*MUON_BATCH, *(ONE_PROCESS if name == "reference" else CASES[name]))
 
 
 def config(*overrides: str):
@@ -111,7 +107,7 @@ def test_owners_are_balanced_by_size():
 @pytest.mark.slow
 def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
     """AdamW's trajectory: the session's one-process reference of the same batches (conftest)."""
-    losses, adamw = train_losses(runs("reference")), adamw_reference
+    losses, adamw = train_losses(runs("reference")[0]), adamw_reference
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.3, losses
     assert max(abs(losses[step] - adamw[step]) for step in losses) > 1e-2, (losses, adamw)
@@ -120,7 +116,7 @@ def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_mode_matches_one_process(case, runs):
-    assert_matches_one_process(train_losses(runs("reference")), train_losses(runs(case)), STEPS, case)
+    assert_matches_one_process(train_losses(runs("reference")[0]), train_losses(runs(case)[0]), STEPS, case)
 
 
 @pytest.mark.slow
@@ -129,7 +125,7 @@ def test_sigterm_then_kill_9_then_the_same_command_is_bitwise(case, data_dir, ru
     """Owners' momenta (zero, fsdp) come back whole from the checkpoint, whichever way the run
     stopped: SIGTERM (it saves where it is), then kill -9 of the continuation (no save: it goes on
     from the newest checkpoint), then the same command to the end, equal to the uninterrupted run."""
-    reference = runs(case)
+    reference, _ = runs(case)
     run_dir, first, second = tmp_path / "run", tmp_path / "sigterm.log", tmp_path / "killed.log"
     args = muon_args(data_dir, run_dir, *CASES[case])
 
@@ -161,7 +157,7 @@ def test_sigterm_then_kill_9_then_the_same_command_is_bitwise(case, data_dir, ru
     ("zero_w2", CASES["fsdp_w4"]),
 ])
 def test_resharded_resume_continues_the_trajectory(source, target, data_dir, runs, tmp_path):
-    origin = runs(source)
+    origin, _ = runs(source)
     run_dir = tmp_path / "resharded"
     ckpt = origin / "checkpoints" / f"step_{2 * INTERVAL:06d}"  # (checkpoint.keep=3 keeps 8, 12, 16)
     run_dtrain(muon_args(data_dir, run_dir, *target, f"resume={ckpt}"), check=True)
@@ -171,8 +167,7 @@ def test_resharded_resume_continues_the_trajectory(source, target, data_dir, run
 
 
 def test_first_line_shows_the_split(runs):
-    runs("reference")
-    words = " ".join(_OUTPUT["reference"].split())  # the console wraps the long first line
+    words = " ".join(runs("reference")[1].split())  # the console wraps the long first line
     assert "device=cpu optim=muon (Muon 0.10M params in 8 matrices, AdamW 3.23M in 20 tensors) |" in words, words
 
 

@@ -8,29 +8,30 @@ launched through torchrun's engine by `dtrain train`.
 from __future__ import annotations
 
 import pytest
-from conftest import REFERENCE_BATCH, REFERENCE_STEPS, run_dtrain, tiny_args, train_losses
+from conftest import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS, train_losses
 
 STEPS = REFERENCE_STEPS
 
 # name -> overrides; micro batch x 32 x world x accumulation = 256 tokens in every case
 CASES = {  # the quick tier (make test) runs one case per mode
-    "none_accum1": ["parallel=none", "train.micro_batch_size=8"],
+    "none_accum1": MODE_RUNS["none"],
     "none_accum2": ["parallel=none", "train.micro_batch_size=4"],
-    "dp": ["parallel=dp", "train.micro_batch_size=4"],
-    "ddp_w2": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
+    "dp": MODE_RUNS["dp"],
+    "ddp_w2": MODE_RUNS["ddp"],
     "ddp_w2_accum2": ["parallel=ddp", "world=2", "train.micro_batch_size=2"],
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
     "ddp_w4_accum2": ["parallel=ddp", "world=4", "train.micro_batch_size=1"],
-    "zero_w2": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
-    "zero_torch_w2": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
-    "fsdp_w2": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+    "zero_w2": MODE_RUNS["zero"],
+    "zero_torch_w2": MODE_RUNS["zero_torch"],
+    "fsdp_w2": MODE_RUNS["fsdp"],
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
 }
 SLOW = {"none_accum2", "ddp_w2_accum2", "ddp_w4", "ddp_w4_accum2", "fsdp_w4"}
 
 
-def train(data_dir, run_dir, overrides):
-    run_dtrain(tiny_args(data_dir, run_dir, *REFERENCE_BATCH, *overrides), check=True)
+def train(shared_run, overrides):
+    """The session's run of `overrides` on the reference's batches (test_compat checks the same runs)."""
+    run_dir, _ = shared_run(*REFERENCE_BATCH, *overrides)
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
@@ -42,7 +43,7 @@ def test_reference_loss_falls(adamw_reference):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
-def test_losses_match_single_process(case, data_dir, tmp_path, adamw_reference):
-    losses = train(data_dir, tmp_path / "run", CASES[case])
+def test_losses_match_single_process(case, shared_run, adamw_reference):
+    losses = train(shared_run, CASES[case])
     worst = max(abs(losses[s] - adamw_reference[s]) for s in adamw_reference)
     assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"
