@@ -104,6 +104,9 @@ def stop_once(mode: str, target: str, sig: signal.Signals, data_dir: Path, run_d
     out = finish(proc, log)
 
     assert proc.returncode == 128 + sig, f"exit code {proc.returncode}:\n{out[-3000:]}"
+    # Announced at once by the process the signal reached from the user (the driver, or the one
+    # process); a worker signalled alone says nothing until it has saved (the stop line).
+    assert out.count(f"{sig.name} received: saving") == (0 if target == "worker" else 1), out[-3000:]
     lines = STOP_LINE.findall(out)
     assert len(lines) == 1, out[-3000:]
     name, step, saved, code = lines[0]

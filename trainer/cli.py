@@ -8,6 +8,7 @@ command never pay for another command's imports (torch above all).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import sys
@@ -71,7 +72,9 @@ def run() -> None:
     its final garbage collections over every object torch and the run left behind (about 0.3 s of
     each command's exit). Freezing them moves them out of the collector's reach: nothing is lost,
     since Python does not promise to finalize objects still alive at exit, and files, logs and
-    atexit handlers are closed and run as usual."""
+    atexit handlers are closed and run as usual. A crash in native code (a segfault in a collective,
+    an abort) prints every thread's Python stack first, so that it can be told where it happened."""
+    faulthandler.enable()
     try:
         main()
     finally:

@@ -16,7 +16,9 @@ itself: a signal sent to the whole process group already reaches every worker, a
 not count the driver's copy as the second signal. Workers also exit on their own when the driver
 dies (kill -9): torch's spawn sends them SIGINT then, which the handler recognises by the changed
 parent pid or the launcher seen dying (zombie, SIGKILL pending), says so in one line and exits
-without claiming a save; a watchdog thread covers a main thread stuck inside a collective.
+without claiming a save; a watchdog thread covers a main thread stuck inside a collective. The
+first signal is announced at once only by the process that received it from the user (dtrain's
+driver, or a one-process run); a launcher's worker speaks at the step boundary, when it saved.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ def _say(text: str) -> None:
 
 def _name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def announcement(signum: int) -> str:
+    return f"{_name(signum)} received: saving a checkpoint at the end of this step (a second signal stops at once)"
 
 
 class StopSignals:
@@ -162,9 +168,12 @@ class StopSignals:
 
     def _first(self, signum: int) -> None:
         self.signum = signum
-        if self.rank == 0:
-            _say(f"{_name(signum)} received: saving a checkpoint at the end of this step "
-                 "(a second signal stops at once)")
+        # Only the process the user signalled announces the save at once. A launcher's worker cannot
+        # tell a stop request from the launcher tearing it down because a peer died (torch's agent
+        # sends SIGTERM then too), and the save would never come: its word is the stop line at the
+        # step boundary, once every rank agreed and the checkpoint is written.
+        if self.parent is None:
+            _say(announcement(signum))
 
     def _watch_parent(self) -> None:
         stop = threading.Event()
@@ -264,6 +273,7 @@ class DriverSignals:
     def _handle(self, signum, _frame) -> None:
         if not self.signum:
             self.signum = signum
+            _say(announcement(signum))
             threading.Thread(target=self._relay, name="dtrain-signal-relay", daemon=True).start()
             return
         for pid in spawned_workers(os.getpid()):
