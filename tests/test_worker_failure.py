@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, dtrain_env, tiny_args
 
+from trainer.signals import proc_status, signal_pending
+
 
 def children(pid: int) -> list[int]:
     out = []
@@ -66,11 +68,6 @@ def ddp_run(data_dir: Path, run_dir: Path) -> Iterator[tuple[subprocess.Popen, l
             proc.wait()
 
 
-def pending(pid: int, sig: signal.Signals) -> bool:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return any(int(fields[name], 16) & (1 << (sig - 1)) for name in ("SigPnd", "ShdPnd"))
-
-
 def test_killed_worker_fails_the_job_with_its_error(data_dir, tmp_path):
     with ddp_run(data_dir, tmp_path / "run") as (proc, workers):
         os.kill(workers[1], signal.SIGKILL)
@@ -91,7 +88,7 @@ def test_crashed_worker_shows_where_and_its_peer_claims_no_save(data_dir, tmp_pa
         os.kill(workers[0], signal.SIGSTOP)
         os.kill(workers[1], signal.SIGSEGV)
         deadline = time.monotonic() + 60
-        while not pending(workers[0], signal.SIGTERM):
+        while not signal_pending(proc_status(workers[0]), signal.SIGTERM):
             assert time.monotonic() < deadline, "torch's agent never sent rank 0 a SIGTERM"
             time.sleep(0.05)
         os.kill(workers[0], signal.SIGCONT)

@@ -50,18 +50,27 @@ RELAY_PERIOD_S = 1.0
 _active: StopSignals | None = None
 
 
-def _dying(pid: int) -> bool:
-    """Process `pid` is gone, a zombie, or has a SIGKILL pending (a kill -9 that its threads are
-    still acting on)."""
+def proc_status(pid: int) -> dict[str, str] | None:
+    """The fields of /proc/PID/status (None: the process is gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
+        return None
+    return {key: value.strip() for key, value in (line.split(":", 1) for line in status.splitlines() if ":" in line)}
+
+
+def signal_pending(fields: dict[str, str], sig: int) -> bool:
+    """`sig` is pending on the process whose status `fields` are (on it or on one of its threads)."""
+    return any(int(fields.get(name) or "0", 16) & (1 << (sig - 1)) for name in ("SigPnd", "ShdPnd"))
+
+
+def _dying(pid: int) -> bool:
+    """Process `pid` is gone, a zombie, or has a SIGKILL pending (a kill -9 that its threads are
+    still acting on)."""
+    fields = proc_status(pid)
+    if fields is None or fields.get("State", "")[:1] in ("Z", "X"):
         return True
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    if fields.get("State", "").strip()[:1] in ("Z", "X"):
-        return True
-    sigkill = 1 << (signal.SIGKILL - 1)
-    return any(int(fields.get(name, "0").strip() or "0", 16) & sigkill for name in ("SigPnd", "ShdPnd"))
+    return signal_pending(fields, signal.SIGKILL)
 
 
 def relay_of(signum: int) -> int:
