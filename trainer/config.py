@@ -200,7 +200,10 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between checkpoints (0 = only at the end)
+    # steps between checkpoints (0 = only at the end): on by default, so that a crash or a kill -9
+    # costs at most this many steps, not the run; by steps, not minutes, so every rank and every
+    # rerun saves at the same steps without a collective to agree on the time
+    interval: int = 100
     keep: int = 3
     async_save: bool = False
 
