@@ -54,7 +54,7 @@ sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a 
 report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); the files go into that folder
 	@dir="$(RUN)"; \
 	if [ -z "$$dir" ]; then \
-	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
+	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/metrics.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
 	    [ -n "$$latest" ] && dir=$$(dirname "$$latest"); \
 	fi; \
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \

@@ -159,9 +159,29 @@ def quote_hint(override: str) -> UserError:
 def unknown_key_error(key: str) -> UserError:
     """The one line for a key the schema does not have, however it was given (`key=`, `+key=`,
     `++key=`): Hydra's own advice for `key=` would be `+key=`, which the schema refuses as well."""
-    close = difflib.get_close_matches(key, schema_keys(), n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
+    close = closest_key(key, schema_keys())
+    hint = f"did you mean {close}? " if close else ""
     return UserError(f"bad config: {key} is not a config key; {hint}`dtrain train --cfg job` lists every key")
+
+
+def closest_key(key: str, keys: list[str]) -> str | None:
+    """The schema key a typo most likely meant: in the same section, a name spelled out where the
+    schema abbreviates it (`optim.learning_rate` -> `optim.lr`, the initials of its words) or the
+    other way round; then the closest spelling in that section; then the closest key anywhere."""
+    section, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
+
+    def initials(name: str) -> str:
+        return "".join(word[0] for word in name.split("_") if word)
+
+    for name, full in siblings.items():
+        if "_" in leaf + name and initials(leaf) in (name, initials(name)) or initials(name) == leaf:
+            return full
+    near = difflib.get_close_matches(leaf, list(siblings), n=1)
+    if near:
+        return siblings[near[0]]
+    anywhere = difflib.get_close_matches(key, keys, n=1)
+    return anywhere[0] if anywhere else None
 
 
 def check_schema_keys(cfg: DictConfig) -> None:
