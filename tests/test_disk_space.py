@@ -4,7 +4,7 @@ test; skipped, saying why, where mounting is not allowed).
 On a disk that holds two and a half checkpoints, a run keeping 3 saves step 4 and step 8 and stops
 right after step 8 (the next save could not fit): one `error:` line with the bytes needed and
 free, no step trained past the checkpoint. The same command is then one line at the start, writing
-nothing. The README's advice, `checkpoint.keep=1`, continues it to the end (the checkpoint that
+nothing. The advice in docs/checkpoints.md, `checkpoint.keep=1`, continues it to the end (the checkpoint that
 retention lets go is removed before the next save), with the losses of an uninterrupted run."""
 
 from __future__ import annotations
