@@ -110,12 +110,13 @@ class ProgressView:
     """What a run shows as it goes. Rank 0: on a terminal with train.progress on, the live bar (loss,
     lr, tokens/s, ETA); otherwise (a pipe, a file, nohup, Slurm, or train.progress=false) one plain
     line per logged step on stdout. Either way every line, the step lines included, goes to the job
-    log (trainer.joblog). Other ranks print their own step lines only where dtrain's launcher sends
-    their output to a log file of their own (trainer.joblog.RANK_LINES_ENV)."""
+    log (trainer.joblog). Other ranks print their own lines (prefixed `rank N: `) only when dtrain's
+    launcher started them (trainer.joblog.RANK_LINES_ENV): into their log files under <run dir>/logs,
+    or, for local rank 0 of a further node, onto that node's output."""
 
     def __init__(self, rank: int, total_steps: int, start_step: int, bar: bool = True):
         self.console = Console(stderr=False)
-        self.enabled = rank == 0  # rank 0 prints the run's lines; the others stay silent
+        self.enabled = rank == 0  # rank 0 shows the run; the others at most their own step lines
         self.total_steps = total_steps
         self.terminal = sys.stdout.isatty()
         self._progress = None
