@@ -187,7 +187,9 @@ class TrainConfig:
     loss_chunks: int = 1
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     sample_prompt: str = "ROMEO:"
-    progress: bool = True  # rich progress bar on rank 0
+    # Rank 0 on a terminal: a live progress bar. false, or no terminal (a pipe, a file, nohup, Slurm):
+    # one plain line per log_interval steps on stdout. dtrain.log gets those lines either way.
+    progress: bool = True
     # Peak FLOP/s of one worker's device, for the `mfu` field of metrics.jsonl. null = known GPUs
     # only (H100/H200 989e12, A100 312e12 dense bf16); set it to get MFU elsewhere (e.g. a CPU).
     peak_flops: Optional[float] = None
