@@ -33,6 +33,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 TOKENIZER_VOCAB_SIZE = 50257
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
@@ -135,6 +136,8 @@ class OptimConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | linear, to min_lr at max_steps
+    decay_fraction: float = 0.2  # wsd: the share of max_steps in the final decay
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
