@@ -6,7 +6,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
 from trainer.parallel import make_strategy
+from trainer.provenance import describe, what_ran
 from trainer.runtime import Runtime
 from trainer.signals import at_step_boundary
 from trainer.trackers import open_trackers
@@ -52,6 +53,7 @@ class RunResult:
     steps: int
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
+    ran: dict = field(default_factory=dict)  # what produced the figures (trainer/provenance.py)
 
 
 class Run:
@@ -265,6 +267,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             steps=state.step,
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
+            ran=what_ran(rt) if rt.is_main else {},
         )
         view.close()
         if t.sample_tokens > 0:
@@ -361,5 +364,6 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
         "wall time": f"{result.wall_s:.1f} s",
+        "ran with": describe(result.ran),
         "run dir": str(run_dir),
     }
