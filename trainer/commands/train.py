@@ -65,7 +65,7 @@ def _single_run(overrides: list[str]) -> None:
         if check_run(job_cfg, run_dir, world, lock) is RunDirState.FINISHED:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
-        check_launch(job_cfg, world)
+        check_launch(job_cfg, world, run_dir)
         # A full disk or a refused write while Hydra sets the run up is one line, and what it made
         # is removed again; the run's own errors come back in the job's return value.
         with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
@@ -121,13 +121,13 @@ def _scratch_dir() -> str:
     return scratch
 
 
-def check_launch(cfg, world: int) -> None:
-    """The checks that need torch (mode, device, resume's model, tracker credentials), still before
-    anything is written."""
+def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
+    """The checks that need torch (mode, device, resume's model, tracker credentials, room for a
+    fresh run's first checkpoint in `run_dir`), still before anything is written."""
     # trainer.launch_checks imports torch: only once the checks that need no torch have passed
     from trainer.launch_checks import check_launch as check_with_torch
 
-    check_with_torch(cfg, world)
+    check_with_torch(cfg, world, run_dir)
 
 
 def train_job(cfg) -> float:
