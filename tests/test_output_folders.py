@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_dtrain
+from harness_setup import offline_env
 from test_rundir import snapshot
 
 from trainer.checkpoint.layout import latest_checkpoint
@@ -221,3 +223,19 @@ def test_eval_refuses_an_empty_out_and_a_full_disk(run_dir, out, needle, mounts,
     assert needle.replace("DISK", str(disk)) in err, err
     assert snapshot(run_dir) == before and list(disk.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir()] == [disk.name]
+
+
+@pytest.mark.slow
+def test_eval_tasks_with_out_scores_a_run_on_a_read_only_mount(harness_run, harness_tasks, mounts, tmp_path):
+    """The harness's results and per-request records go to --out; the read-only run is untouched."""
+    pytest.importorskip("lm_eval")
+    before = snapshot(harness_run)
+    frozen = mounts.read_only(harness_run)
+    out = tmp_path / "scores"
+    proc = run_dtrain(["eval", str(frozen), "--tasks", "dtrain_mc", "--include-path", str(harness_tasks),
+                       "--limit", "4", "--device", "cpu", "--log-samples", "--out", str(out)], env=offline_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((out / "eval_harness.json").read_text())
+    assert record["run_dir"] == str(frozen) and "dtrain_mc" in record["results"]
+    assert len((out / "eval_samples_dtrain_mc.jsonl").read_text().splitlines()) == 4
+    assert snapshot(harness_run) == before
