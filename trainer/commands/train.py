@@ -83,7 +83,7 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
         if state is RunDirState.FINISHED:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
-        check_launch(job_cfg, world)
+        check_launch(job_cfg, world, run_dir)
         _announce(state, run_dir)
         # The command that continues this run, for the line a stop signal prints (workers inherit it).
         with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
@@ -178,13 +178,13 @@ def _scratch_dir() -> str:
     return scratch
 
 
-def check_launch(cfg, world: int) -> None:
-    """The checks that need torch (mode, device, resume's model, tracker credentials), still before
-    anything is written."""
+def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
+    """The checks that need torch (mode, device, resume's model, tracker credentials, room for a
+    fresh run's first checkpoint in `run_dir`), still before anything is written."""
     # trainer.launch_checks imports torch: only once the checks that need no torch have passed
     from trainer.launch_checks import check_launch as check_with_torch
 
-    check_with_torch(cfg, world)
+    check_with_torch(cfg, world, run_dir)
 
 
 def train_job(cfg) -> float:
