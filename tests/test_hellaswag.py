@@ -302,9 +302,10 @@ def test_trained_model_tells_apart_what_it_can(trained_run):
     untrained = easy.evaluate(build_model(cfg.model), SINGLE)
     trained_easy, trained_hard = easy.evaluate(model, SINGLE), hard.evaluate(model, SINGLE)
     assert trained_easy.n == 43 and trained_hard.n == 48
-    assert untrained.acc_norm <= 0.45, untrained  # chance is 0.25: the ability comes from training
-    assert trained_easy.acc_norm >= 0.8, trained_easy
-    assert 0.08 <= trained_hard.acc_norm <= 0.45, trained_hard
+    # the per-token figure (build-nanogpt's "acc_norm", named acc_per_token since issue 34)
+    assert untrained.acc_per_token <= 0.45, untrained  # chance is 0.25: the ability comes from training
+    assert trained_easy.acc_per_token >= 0.8, trained_easy
+    assert 0.08 <= trained_hard.acc_per_token <= 0.45, trained_hard
 
 
 def _eval_cli(trained_run, world: int, mode: str, torchrun: bool) -> dict:
@@ -374,3 +375,23 @@ def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, trained
     assert result["step"] == 15 and result["world"] == 1
     assert {k: result[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")} == \
         {k: logged[-1][k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
+
+
+def test_three_figures_under_three_names():
+    """acc: lowest summed loss; acc_per_token: lowest mean loss per token (build-nanogpt's
+    "acc_norm"); acc_norm: lowest summed loss per character of the ending (lm-evaluation-harness's
+    acc_norm), each checked against its definition on endings of very different lengths."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=50304)).eval()
+    enc = gpt2_encoding()
+    examples = [Example("The cat sat on the", [e, "mat", "dog and the mouse ran away", "x"], label)
+                for label, e in enumerate(["roof of the old house", "a", "hat", "mat mat mat"])]
+    hs = HellaSwagEval(examples, 0, 1, 2, 64, enc=enc)
+    result = hs.evaluate(model, SINGLE)
+    sums, means = score_batch(model, [encode_example(ex, enc) for ex in examples], 64)
+    chars = torch.tensor([[len(e) for e in ex.endings] for ex in examples], dtype=torch.float64)
+    labels = torch.tensor([ex.label for ex in examples])
+    assert result.correct == int((sums.argmin(1) == labels).sum())
+    assert result.correct_per_token == int((means.argmin(1) == labels).sum())
+    assert result.correct_norm == int(((-sums / chars).argmax(1) == labels).sum())  # the harness's ll / len
+    assert set(result.metrics()) == {"hellaswag_acc", "hellaswag_acc_norm", "hellaswag_acc_per_token", "hellaswag_n"}

@@ -103,3 +103,12 @@ def test_report_usage_errors(args, message):
 def test_report_of_a_folder_without_runs_is_an_error(tmp_path):
     proc = run_dtrain(["report", str(tmp_path)])
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr, proc.stderr
+
+
+def test_report_shows_hellaswag_from_dtrain_eval_s_result_file(run_dir, tmp_path):
+    """A run scored afterwards by `dtrain eval` (eval_hellaswag.json beside it): the table shows it."""
+    run = copy_run(run_dir, tmp_path / "run", ["model=tiny"])
+    (run / "eval_hellaswag.json").write_text(json.dumps({"hellaswag_acc_norm": 0.3125, "hellaswag_n": 32}))
+    proc = run_dtrain(["report", str(run), "--out", str(tmp_path / "figures")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0.3125" in proc.stdout

@@ -247,7 +247,9 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             if hellaswag is not None and (state.step % cfg.eval.interval == 0 or last):
                 hs = hellaswag.evaluate(run.strategy.inference_model(run.model), rt, run.strategy.autocast)
                 metrics.log({"step": state.step, "tokens": state.tokens, **hs.metrics()})
-                view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} acc {hs.acc:.4f} (n={hs.n})")
+                view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} "
+                           f"acc_per_token {hs.acc_per_token:.4f} "
+                           f"acc {hs.acc:.4f} (n={hs.n})")
                 steps.restart_window()
             try:
                 if checkpointer is not None and checkpointer.after_step(run, last):

@@ -28,10 +28,24 @@ def finite_or_none(value: Any) -> float | None:
     return None
 
 
+# What `dtrain eval RUN_DIR` writes beside the run (trainer/commands/eval.py).
+HELLASWAG_RESULT_FILE = "eval_hellaswag.json"
+
+
+def evaluated_hellaswag(run_dir: Path) -> float | None:
+    """acc_norm from the run's `dtrain eval` result file, when it has one."""
+    try:
+        record = json.loads((Path(run_dir) / HELLASWAG_RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return finite_or_none(record.get("hellaswag_acc_norm")) if isinstance(record, dict) else None
+
+
 def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> tuple[bool, dict[str, Any]]:
     """What a run's metrics.jsonl (or its already read `records`) says: whether the run finished,
-    and its final train loss, best val loss, last HellaSwag acc_norm, tokens/s, wall time, steps
-    and tokens (None where not recorded)."""
+    and its final train loss, best val loss, last HellaSwag acc_norm (from training's evaluations,
+    else from `dtrain eval`'s result file), tokens/s, wall time, steps and tokens (None where not
+    recorded)."""
     if records is None:
         records = read_metrics(run_dir / METRICS_FILE)
     summary = next((r["summary"] for r in reversed(records) if isinstance(r.get("summary"), dict)), None)
@@ -43,7 +57,7 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
         "tokens": max((r.get("tokens", 0) for r in records), default=0),
         "final_loss": finite_or_none(train[-1]["loss"]) if train else None,
         "best_val_loss": min(vals) if vals else None,
-        "hellaswag_acc_norm": hellaswag[-1] if hellaswag else None,
+        "hellaswag_acc_norm": hellaswag[-1] if hellaswag else evaluated_hellaswag(run_dir),
         "tokens_per_s": None,
         "wall_s": None,
     }

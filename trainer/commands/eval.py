@@ -49,13 +49,13 @@ from trainer.launch import run_workers
 from trainer.metrics import summary_table
 from trainer.model import build_model
 from trainer.parallel import make_strategy, strategy_class
-from trainer.results import HARNESS_FILE
+from trainer.results import HARNESS_FILE, HELLASWAG_RESULT_FILE
 from trainer.rundir import read_config_record
 from trainer.runtime import init_runtime
 from trainer.validation import check_ranges
 from trainer.writable import not_a_folder, write_errors_as_user_errors
 
-RESULT_FILE = "eval_hellaswag.json"
+RESULT_FILE = HELLASWAG_RESULT_FILE
 HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters",
                  "log_samples")
 
@@ -215,6 +215,7 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str, out: Path, fix: str) -> dict
         **result.metrics(),
         "hellaswag_correct": result.correct,
         "hellaswag_correct_norm": result.correct_norm,
+        "hellaswag_correct_per_token": result.correct_per_token,
         "run_dir": str(run_dir),
         "weights": str(weights),
         "step": weights_step(weights),
@@ -261,7 +262,10 @@ def _progress_bar(enabled: bool, hellaswag) -> _Bar | None:
 def _print_result(record: dict, path: Path) -> None:
     n = record["hellaswag_n"]
     rows = {
-        "acc_norm": f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_correct_norm']:,}/{n:,})",
+        "acc_norm (per character, the harness's)": f"{record['hellaswag_acc_norm']:.4f} "
+                                                   f"({record['hellaswag_correct_norm']:,}/{n:,})",
+        "acc_per_token (build-nanogpt's acc_norm)": f"{record['hellaswag_acc_per_token']:.4f} "
+                                                    f"({record['hellaswag_correct_per_token']:,}/{n:,})",
         "acc": f"{record['hellaswag_acc']:.4f} ({record['hellaswag_correct']:,}/{n:,})",
         "examples": f"{n:,} ({record['examples_per_s']:.1f}/s on {record['world']} worker(s), "
                     f"parallel={record['parallel']})",

@@ -4,8 +4,14 @@ The file is HellaSwag's public jsonl: one object per line with ``ctx`` (the cont
 (4 candidate continuations) and ``label`` (the index of the right one). Scoring follows the
 reference (build-nanogpt's hellaswag.py): each ending is tokenized with a leading space and
 appended to the context; the model's per-token cross entropy over the ending tokens only gives
-``acc`` (the ending with the lowest summed loss) and ``acc_norm`` (the lowest mean loss per
-token, the number the reference reports).
+three figures, each under a name that says what it is:
+
+    acc            the ending with the lowest summed loss (the harness's `acc` too)
+    acc_per_token  the lowest mean loss per token: what build-nanogpt reports as "acc_norm"
+    acc_norm       the lowest summed loss per character of the ending: lm-evaluation-harness's
+                   definition of acc_norm (its log-likelihood over the choice's length)
+
+so one name never means two numbers beside `dtrain eval --tasks hellaswag`.
 
 Distribution: example i is scored by rank i % world; every rank runs the same number of forwards
 (dummy ones when its share has run out, so FSDP's collectives never hang), and the correct/total
@@ -49,6 +55,7 @@ class EncodedExample:
     ctx: list[int]
     endings: list[list[int]]  # each ending's tokens, encoded with its leading space
     label: int
+    ending_chars: tuple[int, ...] = ()  # each ending's length in characters (acc_norm's divisor)
 
 
 # --------------------------------------------------------------------------------- the file
@@ -187,7 +194,8 @@ def encode_example(ex: Example, enc) -> EncodedExample:
     be predicted from.
     """
     ctx = enc.encode_ordinary(ex.ctx) or [enc.eot_token]
-    return EncodedExample(ctx, [enc.encode_ordinary(" " + e) for e in ex.endings], ex.label)
+    return EncodedExample(ctx, [enc.encode_ordinary(" " + e) for e in ex.endings], ex.label,
+                          tuple(max(1, len(e)) for e in ex.endings))
 
 
 def build_batch(batch: list[EncodedExample], block_size: int, device=None):
@@ -254,7 +262,8 @@ def score_batch(model, batch: list[EncodedExample], block_size: int, device=None
 @dataclass
 class HellaSwagResult:
     correct: int  # lowest summed loss is the label
-    correct_norm: int  # lowest mean loss is the label
+    correct_per_token: int  # lowest mean loss per token is the label (build-nanogpt's "acc_norm")
+    correct_norm: int  # lowest summed loss per character is the label (the harness's acc_norm)
     n: int
 
     @property
@@ -262,11 +271,16 @@ class HellaSwagResult:
         return self.correct / self.n if self.n else math.nan
 
     @property
+    def acc_per_token(self) -> float:
+        return self.correct_per_token / self.n if self.n else math.nan
+
+    @property
     def acc_norm(self) -> float:
         return self.correct_norm / self.n if self.n else math.nan
 
     def metrics(self) -> dict:
-        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_n": self.n}
+        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm,
+                "hellaswag_acc_per_token": self.acc_per_token, "hellaswag_n": self.n}
 
 
 class HellaSwagEval:
@@ -309,8 +323,8 @@ class HellaSwagEval:
         device = rt.device
         was_training = model.training
         model.eval()
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        correct_norm = torch.zeros((), dtype=torch.long, device=device)
+        correct, correct_per_token, correct_norm = (torch.zeros((), dtype=torch.long, device=device)
+                                                    for _ in range(3))
         B = self.batch_examples
         try:
             for b in range(self.n_batches):
@@ -323,12 +337,13 @@ class HellaSwagEval:
                         continue
                     sums, means = score_batch(model, batch, self.block_size, device)
                 labels = torch.tensor([ex.label for ex in batch], device=device)
+                chars = torch.tensor([ex.ending_chars for ex in batch], dtype=sums.dtype, device=device)
                 correct += (sums.argmin(dim=1) == labels).sum()
-                correct_norm += (means.argmin(dim=1) == labels).sum()
+                correct_per_token += (means.argmin(dim=1) == labels).sum()
+                correct_norm += ((sums / chars).argmin(dim=1) == labels).sum()
                 if progress is not None:
                     progress(len(batch))
         finally:
             model.train(was_training)
-        local = torch.stack([correct, correct_norm, torch.tensor(self.n_local, device=device)])
-        total = rt.all_reduce_sum(local).tolist()
-        return HellaSwagResult(int(total[0]), int(total[1]), int(total[2]))
+        local = torch.stack([correct, correct_per_token, correct_norm, torch.tensor(self.n_local, device=device)])
+        return HellaSwagResult(*(int(t) for t in rt.all_reduce_sum(local).tolist()))
