@@ -165,7 +165,11 @@ def test_task_data_that_cannot_be_fetched_is_one_line(harness_run, harness_tasks
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--limit", "5"], "--limit goes with --tasks"),
+    (["--num-fewshot", "5"], "--num-fewshot goes with --tasks"),  # --limit and --step serve both scorers
+    (["--limit", "2.5"], "takes a whole number of examples"),
+    (["--limit", "5", "eval.limit=3"], "not both"),
+    (["--step", "3", "ckpt=/x"], "not both"),
+    (["--tasks", "x", "--limit", "5", "eval.limit=3"], "not both"),
     (["--tasks", ","], "--tasks names no task"),
     (["--tasks", "x", "parallel=ddp"], "does not apply to --tasks"),
     (["--tasks", "x", "world=0"], "a number of workers"),

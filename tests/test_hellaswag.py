@@ -375,6 +375,11 @@ def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, trained
     assert result["step"] == 15 and result["world"] == 1
     assert {k: result[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")} == \
         {k: logged[-1][k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
+    # the flags --tasks takes serve the built-in HellaSwag too: --step N, --limit N
+    proc = run_dtrain(["eval", str(run_dir), "--step", "15", "--limit", "7", hs[0]])
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    result = json.loads((run_dir / "eval_hellaswag.json").read_text())
+    assert result["step"] == 15 and result["hellaswag_n"] == 7
 
 
 def test_three_figures_under_three_names():

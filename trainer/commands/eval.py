@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from trainer.args import ArgParser, folder_to_write, non_negative_int, positive
-from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
+from trainer.checkpoint.weights import checkpoint_at_step, eval_weights_path, load_weights, weights_step
 from trainer.commands.eval_harness import check_results_folder, harness_eval
 from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
@@ -56,8 +56,7 @@ from trainer.validation import check_ranges
 from trainer.writable import not_a_folder, write_errors_as_user_errors
 
 RESULT_FILE = HELLASWAG_RESULT_FILE
-HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters",
-                 "log_samples")
+HARNESS_FLAGS = ("include_path", "num_fewshot", "batch_size", "device", "bootstrap_iters", "log_samples")
 
 
 def cmd_eval(argv: list[str]) -> dict:
@@ -71,7 +70,8 @@ def cmd_eval(argv: list[str]) -> dict:
     given = [f"--{f.replace('_', '-')}" for f in HARNESS_FLAGS if getattr(args, f) is not None]
     if given:
         parser.error(f"{given[0]} goes with --tasks (lm-evaluation-harness); the built-in HellaSwag takes "
-                     "key=value overrides such as eval.limit=N or ckpt=PATH")
+                     "--step N, --limit N and key=value overrides such as eval.limit=N or ckpt=PATH")
+    overrides = _shared_flags_as_overrides(args, run_dir, overrides)
     run_dir, cfg, weights = eval_setup(parser, run_dir, overrides)
     out, fix = check_results_folder(args.out, run_dir)  # a read-only run directory: one line, before work
     cfg_dict = to_dict(cfg)
@@ -85,11 +85,29 @@ def cmd_eval(argv: list[str]) -> dict:
     return run_workers(eval_worker, job, cfg_dict["launch"], world, out / "logs")
 
 
+def _shared_flags_as_overrides(args, run_dir: Path, overrides: list[str]) -> list[str]:
+    """--step N and --limit N, the flags both scorers take, as the built-in HellaSwag's keys
+    (ckpt=<the step's checkpoint>, eval.limit=N); giving a flag and its key both is one line."""
+    keys = {a.split("=", 1)[0] for a in overrides}
+    if args.step is not None:
+        if "ckpt" in keys:
+            raise ConfigError("give --step N or ckpt=PATH, not both")
+        overrides = [*overrides, f"ckpt={checkpoint_at_step(run_dir, args.step)}"]
+    if args.limit is not None:
+        if "eval.limit" in keys:
+            raise ConfigError("give --limit N or eval.limit=N, not both")
+        if args.limit < 1 or not float(args.limit).is_integer():
+            raise ConfigError(f"--limit {args.limit}: the built-in HellaSwag takes a whole number of examples")
+        overrides = [*overrides, f"eval.limit={int(args.limit)}"]
+    return overrides
+
+
 def _parser() -> ArgParser:
     parser = ArgParser(
         prog="dtrain eval",
         description=__doc__,
-        usage="%(prog)s RUN_DIR [--out DIR] [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
+        usage="%(prog)s RUN_DIR [--out DIR] [--step N | ckpt=PATH] [--limit N | eval.limit=N] [world=N] "
+              "[parallel=MODE] "
               "[eval.hellaswag.path=FILE] [key=value ...] | RUN_DIR --tasks T1,T2 [--include-path DIR] [--limit N]",
     )
     # One positional list: the run dir is the argument without "=", wherever it stands.
@@ -102,11 +120,11 @@ def _parser() -> ArgParser:
                              "(default: RUN_DIR)")
     harness.add_argument("--tasks", metavar="T1,T2", help="score with the harness on these tasks, groups or tags")
     harness.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
-    harness.add_argument("--limit", type=positive(float), metavar="N",
-                         help="at most N examples per task (below 1: that fraction of them)")
+    parser.add_argument("--limit", type=positive(float), metavar="N",
+                        help="at most N examples (per task with --tasks; there, below 1: that fraction of them)")
     harness.add_argument("--num-fewshot", type=non_negative_int, metavar="K", help="few-shot examples per prompt")
     harness.add_argument("--batch-size", type=positive(int), metavar="B", help="sequences per forward (default 8)")
-    harness.add_argument("--step", type=non_negative_int, metavar="N", help="this checkpoint step (default: newest)")
+    parser.add_argument("--step", type=non_negative_int, metavar="N", help="this checkpoint step (default: newest)")
     harness.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:N or auto (default)")
     harness.add_argument("--log-samples", action="store_true", default=None,
                          help="also write each request's record to <RUN_DIR>/eval_samples_<task>.jsonl")

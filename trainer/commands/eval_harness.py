@@ -65,13 +65,20 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
         key, value = arg.split("=", 1)
         if key == "ckpt":
             ckpt = value
+        elif key == "eval.limit":  # the built-in HellaSwag's key for --limit, taken here too
+            if args.limit is not None:
+                raise ConfigError("give --limit N or eval.limit=N, not both")
+            try:
+                args.limit = float(value)
+            except ValueError:
+                raise ConfigError(f"eval.limit={value}: a number of examples (or a fraction of them below 1)") from None
         elif key in counts:
             if not value.isdigit() or int(value) < 1:
                 what = "workers" if key == "world" else "CPU threads per worker"
                 raise ConfigError(f"{key}={value}: a number of {what}, 1 or more")
             counts[key] = int(value)
         else:
-            raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH, world=N and "
+            raise ConfigError(f"{arg!r} does not apply to --tasks; it takes ckpt=PATH, eval.limit=N, world=N and "
                               "launch.threads_per_worker=T besides its flags")
     if ckpt is not None and args.step is not None:
         raise ConfigError("give --step N or ckpt=PATH, not both")
