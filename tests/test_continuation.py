@@ -255,7 +255,7 @@ def test_resume_of_a_finished_run_with_more_steps_ends_with_one_summary(data_dir
     assert sorted(train_losses(run_dir)) == list(range(1, 10))
     assert run_figures(run_dir)[0]
     again = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *RESUMED))
-    assert again.returncode == 0 and "already finished (step 9" in again.stderr, again.stderr[-2000:]
+    assert again.returncode == 0 and "already finished (step 9" in again.stdout, again.stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ Torch-free: it runs before anything is written or imported.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
@@ -25,6 +26,7 @@ from trainer.data.identity import data_identity, identity_changes, tokenizer_cha
 from trainer.data.layout import dataset_dir
 from trainer.data.prepare import as_data_cfg
 from trainer.errors import ConfigError, DataError
+from trainer.io import dotted_keys
 from trainer.rundir import CONFIG_RECORD, check_same_run, read_record, trajectory_changes
 
 
@@ -42,8 +44,10 @@ def check_continuation(cfg, run_dir: Path, world: int) -> tuple[Resumable | None
     elif changed := trajectory_changes(chosen.config, config, skip=BATCH_KEYS):
         # The record agrees with this command (check_run_dir), the checkpoint does not: a resume=PATH
         # continued it with new settings on purpose and rewrote the record, then stopped before saving.
-        notes.append(f"continuing {_named(chosen)} with {', '.join(changed)} as {CONFIG_RECORD} records them, "
-                     f"not as that checkpoint was saved with (a resume= changed them)")
+        was, now = dotted_keys(chosen.config), dotted_keys(config)
+        shown = ", ".join(f"{k} {json.dumps(was.get(k))} -> {json.dumps(now.get(k))}" for k in changed)
+        notes.append(f"continuing {chosen.ckpt.name} with the settings {CONFIG_RECORD} records since a resume= "
+                     f"changed them: {shown}")
     _check_global_batch(cfg, world, run_dir, chosen, record)
     return chosen, notes
 
