@@ -76,8 +76,9 @@ class MetricsLogger:
         self._file = self.path.open("a", buffering=1)
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines past the resumed step, so a resume logs no step twice and none is missing."""
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        """Drop lines past the resumed step, so a resume logs no step twice and none is missing, and
+        an end-of-run summary: the continued run ends anew and logs its own, the only one."""
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step and "summary" not in r]
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict[str, Any]) -> None:

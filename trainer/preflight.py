@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.checkpoint.continuation import check_continuation
+from trainer.checkpoint.continuation import check_continuation, check_same_data
 from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
@@ -31,6 +31,10 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     run directory's, also holds the dataset folder against a re-prepare for the run's life."""
     validate(cfg)
     state = check_run_dir(run_dir, cfg.resume, to_dict(cfg))
+    continued, notes = None, []
+    if state is RunDirState.CONTINUE and cfg.resume == "auto" and restart_count() == 0:
+        # the trajectory keys and global batch the checkpoint it resumes was saved with
+        continued, notes = check_continuation(cfg, run_dir, world)
     # The source matters only to a run that starts afresh: a continuation resumes its own checkpoint.
     resumes = cfg.resume not in ("auto", "never") or has_checkpoint(run_dir)
     if cfg.model.init_from and not resumes:
@@ -50,14 +54,15 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
         )
     if cfg.data.val_fraction > 0:
         open_split(cfg.data, "val")
-    if state is RunDirState.CONTINUE and cfg.resume == "auto" and restart_count() == 0:
-        check_continuation(cfg, run_dir, world)  # the global batch and the data it trained with
+    check_same_data(cfg, run_dir, continued)  # the data and tokenizer it trained with
     if state is not RunDirState.FINISHED:
         check_space_at_start(run_dir, cfg.checkpoint.keep)
     if cfg.train.sample_tokens > 0:
         gpt2_encoding()
     for name in tracker_names(cfg.logger):
         require_tracker(name)
+    for note in notes:
+        _say(note)
     return state
 
 
@@ -78,4 +83,8 @@ def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock,
 def record_config(cfg, run_dir: Path) -> None:
     note = write_config_record(run_dir, to_dict(cfg))
     if note:
-        Console(stderr=True).print(f"dtrain: {note}", highlight=False, soft_wrap=True)
+        _say(note)
+
+
+def _say(line: str) -> None:
+    Console(stderr=True).print(f"dtrain: {line}", highlight=False, soft_wrap=True)

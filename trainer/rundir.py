@@ -63,7 +63,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
             f"run directory {run_dir} already holds a run's outputs and resume=never; "
             "choose another hydra.run.dir= or remove that directory"
         )
-    recorded = _read_record(run_dir)
+    recorded = read_record(run_dir)
     if config is None or recorded is None:
         if resume == "auto" and not has_checkpoint(run_dir):
             raise UserError(
@@ -71,13 +71,14 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
                 "checkpoint to resume); choose another hydra.run.dir= or remove that directory"
             )
         return RunDirState.CONTINUE
-    _check_same_run(run_dir, recorded, config)
+    check_same_run(run_dir, recorded, config)
     return RunDirState.FINISHED if _finished(run_dir, config) else RunDirState.CONTINUE
 
 
-def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
+def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | None = None) -> None:
     """Refuse a changed trajectory key (trainer/config_keys.py); operational keys may change. A
-    key in neither table (a record from another version) counts as trajectory."""
+    key in neither table (a record from another version) counts as trajectory. `source`: the file
+    `recorded` was read from (the run's resolved_config.json unless a checkpoint's config.json)."""
     was, now = dotted_keys(recorded), dotted_keys(config)
     on_purpose = f"resume={run_dir} continues its newest checkpoint with the new settings on purpose"
     steps_key = "train.max_steps"
@@ -89,16 +90,22 @@ def _check_same_run(run_dir: Path, recorded: dict, config: dict) -> None:
         )
     # With a checkpoint, the batch keys are checked as the global batch it recorded (check_continuation).
     by_batch = BATCH_KEYS if has_checkpoint(run_dir) else ()
-    differ = [k for k in sorted(set(was) | set(now))
-              if was.get(k) != now.get(k) and not is_operational(k) and k not in by_batch]
+    differ = trajectory_changes(recorded, config, skip=by_batch)
     if differ:
         shown = ", ".join(f"{k}={_short(was.get(k))} there vs {_short(now.get(k))}" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise UserError(
             f"run directory {run_dir} already holds another run's outputs ({shown}{more}: settings that change "
-            f"what it learns); repeat them ({run_dir / CONFIG_RECORD}) to continue it, {on_purpose}, or choose "
-            "another hydra.run.dir="
+            f"what it learns); repeat them ({source or run_dir / CONFIG_RECORD}) to continue it, {on_purpose}, "
+            "or choose another hydra.run.dir="
         )
+
+
+def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys, other than operational ones and `skip`, whose values differ."""
+    was, now = dotted_keys(recorded), dotted_keys(config)
+    return [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not is_operational(k)
+            and k not in skip]
 
 
 def _finished(run_dir: Path, config: dict) -> bool:
@@ -125,7 +132,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _read_record(run_dir: Path) -> dict | None:
+def read_record(run_dir: Path) -> dict | None:
     try:
         return json.loads((run_dir / CONFIG_RECORD).read_text())
     except FileNotFoundError:
@@ -141,7 +148,7 @@ def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(cfg_dict, indent=2, sort_keys=True)
     path = run_dir / CONFIG_RECORD
-    previous = _read_record(run_dir)
+    previous = read_record(run_dir)
     if previous is not None and json.dumps(previous, indent=2, sort_keys=True) == text:
         return None
     write_atomic(path, text, mode=_new_file_mode())

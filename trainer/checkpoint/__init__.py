@@ -6,7 +6,8 @@ Layout of one run directory:
       step_000012/            a complete checkpoint (published by one rename)
         .metadata             DCP's index of every tensor (written by rank 0)
         __0_0.distcp ...      DCP tensor shards (every rank writes its own)
-        trainer_state.json    step, tokens, best val loss, every rank's loader position and RNG states
+        trainer_state.json    step, tokens, best val loss, every rank's loader position and RNG states,
+                              the global batch and its parts, the data's and tokenizer's identity
         config.json           the resolved config of the run that wrote it
         COMPLETE              the completion marker, written last: every other file's size and
                               checksum ("crc32:<hex>"), verified before any load
@@ -29,6 +30,7 @@ torch-free for the run-directory checks that run before torch is imported):
 
     layout    names of the files and folders above; finding complete checkpoints (standard library)
     integrity every file's checksum in the marker, and verifying them (standard library)
+    records   its JSON records read and checked without torch; the checkpoint resume=auto will load
     verify    reading a checkpoint safely and checking it before anything is loaded
     selection which checkpoint a resume loads: newest intact first, corrupt ones set aside
     rng       every rank's RNG states as JSON

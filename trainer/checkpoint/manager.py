@@ -41,7 +41,7 @@ from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
 from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, root_cause
 from trainer.config import to_dict
-from trainer.data.identity import data_identity
+from trainer.data.identity import recorded_identity
 from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
@@ -81,8 +81,8 @@ class Checkpointer:
         # (the training continues meanwhile; measured in scripts/bench_checksum.py).
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtrain-checksum")
         self.resumed_from: Path | None = None
-        # The identity of the data this run reads (rank 0 writes it into every checkpoint).
-        self.data = data_identity(cfg.data) if rt.is_main else None
+        # The identity of the data and tokenizer this run reads (rank 0 writes it into every checkpoint).
+        self.identity = recorded_identity(cfg.data) if rt.is_main else {}
         self.last_saved: Path | None = None  # the newest save of this process (published or in flight)
         self.last_bytes = 0  # the bytes of the newest checkpoint (what the next one needs), on rank 0
 
@@ -248,7 +248,7 @@ class Checkpointer:
                 "micro_batch_size": run.plan.micro_batch_size,
                 "seq_len": run.plan.seq_len,
                 "grad_accum_steps": run.plan.grad_accum_steps,
-                "data": self.data,
+                **self.identity,  # "data" and "tokenizer"
                 "time": time.time(),
                 "loaders": [g["loader"] for g in gathered],
                 "rng": [g["rng"] for g in gathered],

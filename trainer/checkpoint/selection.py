@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainer.checkpoint.integrity import CorruptCheckpoint, alternative_hint, checkpoints_root
 from trainer.checkpoint.layout import corrupt_dir, marked_checkpoints
+from trainer.checkpoint.records import none_intact
 from trainer.checkpoint.verify import validate_checkpoint
 from trainer.errors import CheckpointError
 from trainer.io import fsync_dir
@@ -58,10 +59,7 @@ def choose_own(root: Path, model_cfg, say: Callable[[str], None]) -> Checked | N
             say(f"{err}; moved it to {dest.name} and falling back to {ckpt.name}")
         return ckpt, checked
     if corrupt:
-        raise CheckpointError(
-            f"{corrupt[0]}, and no intact checkpoint is left under {root} to fall back to; "
-            "start afresh in another hydra.run.dir= or resume=PATH from a good checkpoint"
-        )
+        raise CheckpointError(none_intact(corrupt[0], root))
     return None
 
 

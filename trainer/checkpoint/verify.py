@@ -7,7 +7,6 @@ index that way. The checks name the checkpoint and what is wrong with it in one 
 
 from __future__ import annotations
 
-import json
 import pickle
 import warnings
 from pathlib import Path
@@ -19,13 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from trainer.checkpoint.integrity import CorruptCheckpoint, verify_checkpoint_files
-from trainer.checkpoint.layout import (
-    CONFIG_FILE,
-    FORMAT_VERSION,
-    MARKER,
-    METADATA_FILE,
-    STATE_FILE,
-)
+from trainer.checkpoint.layout import MARKER, METADATA_FILE
+from trainer.checkpoint.records import check_format, read_checkpoint_config, read_trainer_state
 from trainer.config import ModelConfig
 from trainer.errors import CheckpointError
 from trainer.io import first_line
@@ -112,26 +106,6 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        message = f"checkpoint {path.parent} has no {path.name} ({what}); it is incomplete"
-        raise CorruptCheckpoint(path.parent, f"missing {path.name}", message) from None
-    except (OSError, ValueError) as err:
-        reason = f"corrupt {path.name}: {first_line(err)}"
-        raise CorruptCheckpoint(path.parent, reason, f"checkpoint {path.parent} has a {reason}") from None
-
-
-def read_checkpoint_config(ckpt: Path) -> dict:
-    """The resolved config recorded by the run that wrote the checkpoint."""
-    return read_json(Path(ckpt) / CONFIG_FILE, "the run's config")
-
-
-def read_trainer_state(ckpt: Path) -> dict:
-    return read_json(Path(ckpt) / STATE_FILE, "step, data position and RNG states")
-
-
 def check_files(ckpt: Path, metadata: Metadata) -> None:
     """Every shard file the index names exists and is long enough (catches missing or truncated
     shards before any rank starts reading)."""
@@ -205,10 +179,7 @@ def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple[Metadata, dict, dic
     metadata = read_metadata(ckpt)
     state = read_trainer_state(ckpt)
     cfg = read_checkpoint_config(ckpt)
-    if state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {ckpt} has format {state.get('format')!r}; this dtrain reads {FORMAT_VERSION}"
-        )
+    check_format(ckpt, state)
     if model_cfg is not None:
         check_model_config(ckpt, cfg, model_cfg)
     check_files(ckpt, metadata)

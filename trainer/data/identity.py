@@ -1,7 +1,8 @@
 """What data a run trains on, as its checkpoints record it: per split, the token count, the number
-of shards and one digest over the manifest's shard checksums and sizes. The same text prepared with
-the same settings again has the same identity; other text does not. Torch-free (the run-directory
-checks compare it before torch is imported)."""
+of shards and one digest over the manifest's shard checksums and sizes; and the tokenizer the
+manifest says made its ids. The same text prepared with the same settings again has the same
+identity; other text does not. Torch-free (the run-directory checks compare it before torch is
+imported)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import hashlib
 from trainer.data.layout import MANIFEST, dataset_dir
 from trainer.data.prepare import as_data_cfg, load_manifest
 
+# The manifest's fields that say how its ids were made.
+TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "eot")
+
 
 def data_identity(data_cfg) -> dict | None:
     """{split: {"tokens", "shards", "sha256"}} of the prepared dataset, or None when it has no manifest."""
@@ -17,6 +21,26 @@ def data_identity(data_cfg) -> dict | None:
     if manifest is None:
         return None
     return {split: _split_identity(entries) for split, entries in sorted(manifest["splits"].items())}
+
+
+def recorded_identity(data_cfg) -> dict:
+    """What a checkpoint records of its data: {"data": data_identity, "tokenizer": tokenizer_identity}."""
+    return {"data": data_identity(data_cfg), "tokenizer": tokenizer_identity(data_cfg)}
+
+
+def tokenizer_identity(data_cfg) -> dict | None:
+    """{"tokenizer", "vocab_size", "eot"} as the prepared dataset's manifest records them, or None
+    when it has no manifest."""
+    manifest = load_manifest(dataset_dir(as_data_cfg(data_cfg)) / MANIFEST)
+    if manifest is None:
+        return None
+    return {key: manifest.get(key) for key in TOKENIZER_FIELDS}
+
+
+def tokenizer_changes(was: dict, now: dict) -> list[str]:
+    """One phrase per tokenizer field that differs, e.g. "tokenizer 'gpt2' then, 'llama' now"."""
+    return [f"{key} {was.get(key)!r} then, {now.get(key)!r} now" for key in TOKENIZER_FIELDS
+            if was.get(key) != now.get(key)]
 
 
 def _split_identity(entries: list[dict]) -> dict:
