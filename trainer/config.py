@@ -171,12 +171,12 @@ class LaunchConfig:
 @dataclass
 class TrainConfig:
     seed: int = 1337
-    max_steps: int = 200
+    max_steps: int = 400
     micro_batch_size: int = 8
     seq_len: int = 128
     total_batch_size: Optional[int] = None  # tokens per optimizer step; null = derived
     grad_accum_steps: Optional[int] = None  # null = derived from total_batch_size
-    eval_interval: int = 50  # validation loss every N steps (0 = never; always at the end)
+    eval_interval: int = 100  # validation loss every N steps (0 = never; always at the end)
     eval_batches: int = 8
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
