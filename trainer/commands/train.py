@@ -26,7 +26,7 @@ from rich.console import Console
 from trainer.compose import CONFIG_NAME, anchor_paths, compose, compose_run, is_informational, split_args, sweep_points
 from trainer.config import CONF_DIR, register_configs, requested_world, to_dict
 from trainer.env import is_secondary_rank, under_torchrun
-from trainer.preflight import check_run, preflight, record_config
+from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
 from trainer.validation import validate
@@ -92,6 +92,7 @@ def _sweep(args: list[str], overrides: list[str]) -> None:
     for point in sweep_points(overrides):
         cfg = compose(point)
         validate(cfg)
+        check_data(cfg, requested_world(cfg))  # unprepared or too little data: refused before the sweep folder
         check_launch(cfg, requested_world(cfg))
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     try:
