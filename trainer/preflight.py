@@ -16,7 +16,7 @@ from trainer.checkpoint.space import check_space_at_start
 from trainer.config import batch_plan, to_dict, tracker_names
 from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import dataset_dir
-from trainer.data.prepare import as_data_cfg, prepare
+from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.env import restart_count
@@ -48,19 +48,25 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     return state
 
 
-def check_data(cfg, world: int, lock: RunDirLock | None = None) -> None:
-    """The data of a run, as far as it is known without its run directory (a sweep checks each
-    point's here before its sweep folder is made): data.max_tokens keeps enough for one step, the
-    dataset is prepared (now, with data.auto_prepare), its manifest is whole, and a shard of each
-    split holds one step (the loader never lets a step span two shards). `lock`: the run
-    directory's, which then holds the dataset folder against a re-prepare for the run's life."""
+def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: bool = True) -> None:
+    """The data of a run, as far as it is known without its run directory: data.max_tokens keeps
+    enough for one step, the dataset is prepared (now, with data.auto_prepare), its manifest is
+    whole, and a shard of each split holds one step (the loader never lets a step span two shards).
+    `lock`: the run directory's, which then holds the dataset folder against a re-prepare for the
+    run's life. A sweep checks each point's before its sweep folder is made, without `prepare_now`:
+    a point that prepares its data when it starts has only its source checked, where that needs
+    no download."""
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
     # validation reads at least one micro batch per rank (trainer.loop's val loader)
     val_need = plan.micro_batch_size * plan.seq_len * world + 1 if _validates(cfg) else 0
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)
-        prepare(cfg.data)  # a quick no-op once prepared with the same settings
+        if prepare_now:
+            prepare(cfg.data)  # a quick no-op once prepared with the same settings
+        elif not is_prepared(cfg.data):
+            check_source(cfg.data)
+            return
     data_folder = dataset_dir(as_data_cfg(cfg.data))
     if lock is not None and data_folder.is_dir():
         lock.hold(hold_for_reading(data_folder))

@@ -92,7 +92,7 @@ def _sweep(args: list[str], overrides: list[str]) -> None:
     for point in sweep_points(overrides):
         cfg = compose(point)
         validate(cfg)
-        check_data(cfg, requested_world(cfg))  # unprepared or too little data: refused before the sweep folder
+        check_data(cfg, requested_world(cfg), prepare_now=False)  # before the sweep folder, which Hydra makes
         check_launch(cfg, requested_world(cfg))
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     try:

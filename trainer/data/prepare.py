@@ -161,6 +161,14 @@ def _up_to_date(cfg: DictConfig) -> bool:
     return _files_intact(root, m)
 
 
+def check_source(data_cfg) -> None:
+    """What preparing would read, where that needs no download: the dataset is known and its
+    data.source holds text (a sweep checks each point's so before any point prepares)."""
+    cfg = as_data_cfg(data_cfg)
+    if not sources.downloads(cfg):
+        sources.open_source(cfg)
+
+
 def _num_proc(cfg: DictConfig) -> int:
     return max(1, int(cfg.num_proc or os.cpu_count() or 1))
 
