@@ -297,3 +297,18 @@ def test_a_sweep_on_unprepared_data_writes_no_sweep_folder(data, data_dir, tmp_p
     line = error_line(proc)
     assert "missing" in line and ("dtrain prepare" in line or "data.source" in line), line
     assert not sweep.exists() and not (data_dir / "missing").exists()
+
+
+def test_a_sweep_over_another_tokenizers_dataset_writes_no_sweep_folder(data_dir, tmp_path):
+    """Its points would prepare the data when they start (data.auto_prepare): the dataset in the way
+    is refused up front all the same, and left as it was."""
+    root = copy_dataset(data_dir, tmp_path)
+    written = edit_manifest(root, as_llama)
+    source = tmp_path / "corpus.txt"
+    source.write_text(TEXT)
+    sweep = tmp_path / "sweep"
+    args = [a for a in tiny_args(root, tmp_path / "unused") if not a.startswith("hydra.run.dir=")]
+    proc = run_dtrain(["train", "-m", *args[1:], "data.auto_prepare=true", f"data.source={source}",
+                       "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}"])
+    assert "'llama' with 128,256 ids" in error_line(proc)
+    assert not sweep.exists() and manifest_path(root).read_bytes() == written

@@ -161,10 +161,18 @@ def _up_to_date(cfg: DictConfig) -> bool:
     return _files_intact(root, m)
 
 
+def _keep_foreign(cfg: DictConfig) -> None:
+    existing = load_manifest(dataset_dir(cfg) / MANIFEST)
+    if existing is not None:
+        refuse_foreign_tokenizer(cfg, dataset_dir(cfg) / MANIFEST, existing)
+
+
 def check_source(data_cfg) -> None:
-    """What preparing would read, where that needs no download: the dataset is known and its
-    data.source holds text (a sweep checks each point's so before any point prepares)."""
+    """What preparing (without --force) would refuse, as far as that needs no download: a dataset
+    of another tokenizer in the way, an unknown dataset, a data.source without text (a sweep checks
+    each point's so before any point prepares)."""
     cfg = as_data_cfg(data_cfg)
+    _keep_foreign(cfg)
     if not sources.downloads(cfg):
         sources.open_source(cfg)
 
@@ -239,9 +247,8 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
     """
     cfg = as_data_cfg(data_cfg)
     root = dataset_dir(cfg)
-    existing = load_manifest(root / MANIFEST)
-    if not force and existing is not None:  # another tokenizer's dataset is not overwritten unasked
-        refuse_foreign_tokenizer(cfg, root / MANIFEST, existing)
+    if not force:  # another tokenizer's dataset is not overwritten unasked
+        _keep_foreign(cfg)
     if not force and _up_to_date(cfg):
         return root / MANIFEST
     if cfg.shard_tokens < 1:
