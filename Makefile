@@ -8,22 +8,31 @@ TORCH_PIN := torch==2.13.0
 # The oldest torch dtrain supports (pyproject.toml's floor); make test-compat runs the compat tier on it.
 COMPAT_VENV ?= .venv-compat
 TORCH_FLOOR := torch==2.11.0
-EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
+# What training needs (make train, sweep, report) and what the tests add (make test, test-all, lint):
+# a user who only trains gets no transformers, lm-eval, trackers or linters.
+TRAIN_EXTRAS := plot
+TEST_EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
+.PHONY: help setup setup-test setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-setup: $(VENV)/.installed ## make .venv: torch==2.13.0 first, then dtrain with its extras (idempotent)
+setup: $(VENV)/.installed-train ## make .venv for training: torch==2.13.0 first, then dtrain and matplotlib (idempotent)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-train: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned resolve on a CPU machine pulls GBs of CUDA wheels
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet -e '.[$(TRAIN_EXTRAS)]'
+	touch $@
+
+setup-test: $(VENV)/.installed ## add what the tests use to .venv: linters, transformers, lm-eval, trackers, optuna
+
+$(VENV)/.installed: $(VENV)/.installed-train
+	$(PY) -m pip install --quiet -e '.[$(TEST_EXTRAS)]'
 	touch $@
 
 setup-compat: $(COMPAT_VENV)/.installed ## make .venv-compat: the floor torch (2.11.0, PyPI's default build) and what the compat tier needs
@@ -45,22 +54,22 @@ sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a 
 report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); the files go into that folder
 	@dir="$(RUN)"; \
 	if [ -z "$$dir" ]; then \
-	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
+	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/metrics.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
 	    [ -n "$$latest" ] && dir=$$(dirname "$$latest"); \
 	fi; \
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
 	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
-test: setup ## the quick tier: unit tests + one real multi-process test per parallel mode and fault class
+test: setup-test ## the quick tier: unit tests + one real multi-process test per parallel mode and fault class
 	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
 
-test-all: setup ## every test (what CI runs), the 20 slowest listed at the end
+test-all: setup-test ## every test (what CI runs), the 20 slowest listed at the end
 	$(VENV)/bin/pytest -q --durations=20 $(ARGS)
 
 test-compat: setup-compat ## the compatibility tier (pytest -m compat) on the floor torch in .venv-compat
 	$(COMPAT_VENV)/bin/python -m pytest -q -m compat $(ARGS)
 
-lint: setup ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
+lint: setup-test ## ruff, the import layers (import-linter: pyproject.toml), dead code (vulture)
 	$(VENV)/bin/ruff check trainer tests scripts
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/vulture trainer --min-confidence 80

@@ -9,7 +9,7 @@ eval_batches) and no sample or periodic checkpoint, so the clock is training and
 The target is the validation loss shakespeare_cpu ends at; its time is that final evaluation's.
 shakespeare_fast's time is its first evaluation at or below the target. Times come from each run's
 metrics.jsonl: from the start of step 1 (its record's time minus its own duration) to the
-evaluation record's time. Prints both, the ratio, and a Markdown table for the README.
+evaluation record's time. Prints both, the ratio, and a Markdown table for docs/optimizers.md.
 """
 
 from __future__ import annotations

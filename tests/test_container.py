@@ -86,14 +86,14 @@ def containers(path: Path) -> list[dict]:
 
 
 def test_manifests_run_the_image_the_readme_builds_as_its_user():
-    """One image name in every manifest, the one the README's build-push-apply steps tag; the pods
-    run as the Dockerfile's numeric user."""
+    """One image name in every manifest, the one the build-push-apply steps tag (the README's
+    deployment page, docs/deployment.md); the pods run as the Dockerfile's numeric user."""
     images = {c["image"] for path in MANIFESTS for _, c in containers(path)}
     assert len(images) == 1, images
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "deployment.md").read_text()
     image = images.pop()
-    assert f"make image IMAGE={image}" in readme and f"docker push {image}" in readme
-    assert readme.index(f"make image IMAGE={image}") < readme.index(f"docker push {image}") < readme.index(
+    assert f"make image IMAGE={image}" in page and f"docker push {image}" in page
+    assert page.index(f"make image IMAGE={image}") < page.index(f"docker push {image}") < page.index(
         "kubectl apply -f scripts/k8s/")
     user = re.search(r"^USER (\d+):(\d+)$", (REPO / "Dockerfile").read_text(), re.M)
     assert user, "the Dockerfile's USER is numeric (runAsNonRoot can check it)"

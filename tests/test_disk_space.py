@@ -4,8 +4,11 @@ test; skipped, saying why, where mounting is not allowed).
 On a disk that holds two and a half checkpoints, a run keeping 3 saves step 4 and step 8 and stops
 right after step 8 (the next save could not fit): one `error:` line with the bytes needed and
 free, no step trained past the checkpoint. The same command is then one line at the start, writing
-nothing. The README's advice, `checkpoint.keep=1`, continues it to the end (the checkpoint that
-retention lets go is removed before the next save), with the losses of an uninterrupted run."""
+nothing. The advice in docs/checkpoints.md, `checkpoint.keep=1`, continues it to the end (the checkpoint that
+retention lets go is removed before the next save), with the losses of an uninterrupted run.
+
+A fresh run on a disk with room for its weights and metrics but not for one checkpoint is refused
+at the start, before anything is written."""
 
 from __future__ import annotations
 
@@ -71,3 +74,19 @@ def test_full_disk_stops_after_a_save_and_keep_1_continues(data_dir, small_disk,
     assert "removing step_000004 first to make room" in done.stderr, done.stderr[-3000:]
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == [f"step_{STEPS:06d}"]
     assert train_losses(run_dir) == train_losses(reference)  # bitwise: world 1, CPU
+
+
+@pytest.mark.slow  # a refused start, but the launch checks import torch and size the model: ~9 s
+def test_a_fresh_run_without_room_for_one_checkpoint_writes_nothing(data_dir, small_disk):
+    """20 MB of disk: room for the tiny model's 13 MB of weights and for the metrics, not for a
+    checkpoint (40 MB: the weights and AdamW's two moments). With the only save at the end
+    (checkpoint.interval=0) such a run used to train to the end and lose it all at the save; now it
+    is one line at the start, naming the sizes, and nothing is written."""
+    disk = small_disk(20 << 20)
+    line = one_line_error(run_dtrain(tiny_args(data_dir, disk / "run", "train.max_steps=10")))
+    assert "not enough free space for the run's first checkpoint" in line, line
+    assert "at the start (nothing written)" in line and "hydra.run.dir=" in line, line
+    sizes = re.search(r"take ([\d,]+) bytes .* ([\d,]+) are free", line)
+    size, free = (int(n.replace(",", "")) for n in sizes.groups())
+    assert size > 3 * 13_000_000 and free < size, line  # the whole checkpoint, not the weights alone
+    assert list(disk.iterdir()) == [], "a refused start wrote into the run directory"

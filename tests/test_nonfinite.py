@@ -133,6 +133,9 @@ def test_rollback_under_ddp_moves_the_data_on(data_dir, tmp_path):
     assert all(r["loss"] is not None and r["loss"] > 0 for r in train)
     assert records[-1]["summary"]["rollbacks"] == 2
     assert steps_of(run_dir) == [2, 4, 6, 8, 10]
+    # each rollback is one notice on stderr, kept in the run's dtrain.log too (rank 0 is a worker here)
+    assert proc.stderr.count("rolled back to") == 2, proc.stderr
+    assert (run_dir / "dtrain.log").read_text().count("rolled back to") == 2
     assert_finite_checkpoints(run_dir)
 
     def offset(step: int) -> int:

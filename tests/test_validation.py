@@ -17,7 +17,7 @@ from conftest import REPO, dtrain_env, run_dtrain, tiny_args
 from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
-from trainer.compose import compose, compose_run
+from trainer.compose import compose
 from trainer.config import TOKENIZER_VOCAB_SIZE, to_dict
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
@@ -102,7 +102,7 @@ def test_unquoted_non_ascii_run_dir_is_refused_and_quoted_works(data_dir, tmp_pa
     assert_user_error(proc, "has non-ASCII characters", f"'hydra.run.dir=\"{run_dir}\"'")
     assert not run_dir.parent.exists()
     # the quoted form Hydra accepts, as the message says (composed only: no run needed)
-    _, cfg = compose_run([f'hydra.run.dir="{run_dir}"', 'data.dir="/tmp/日本"'])
+    cfg = compose([f'hydra.run.dir="{run_dir}"', 'data.dir="/tmp/日本"'], return_hydra_config=True)
     assert cfg.hydra.run.dir == str(run_dir) and cfg.data.dir == "/tmp/日本"
 
 
@@ -233,24 +233,19 @@ def test_run_dir_on_a_full_disk_is_refused(data_dir, tmp_path):
 ENOSPC_IN_HYDRA = """
 import sys
 from pathlib import Path
-from hydra._internal.callbacks import Callbacks
-from hydra.core.utils import run_job
-from hydra.types import HydraContext
 from trainer.cli import fail
-from trainer.compose import compose_run
+from trainer.commands.train import run_app
 from trainer.errors import UserError
 from trainer.writable import write_errors_as_user_errors
 
-hydra_app, cfg = compose_run([f"hydra.run.dir={sys.argv[1]}"])
-context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
+run_dir = Path(sys.argv[1])
 try:
-    # what trainer/commands/train.py's _single_run does around Hydra's run_job
-    with write_errors_as_user_errors(Path(cfg.hydra.run.dir), "choose another hydra.run.dir="):
-        job = run_job(task_function=lambda job_cfg: 0.0, config=cfg, job_dir_key="hydra.run.dir",
-                      job_subdir_key=None, hydra_context=context)
+    # what trainer/commands/train.py's _single_run does around Hydra's own entry point
+    with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
+        returned = run_app([f"hydra.run.dir={run_dir}"], lambda job_cfg: 0.0)
 except UserError as err:
     fail(str(err))
-print("wrote", job.return_value)
+print("wrote", returned)
 """
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from trainer.errors import UserError
@@ -43,6 +44,15 @@ class ArgParser(argparse.ArgumentParser):
                 self.error(f"unknown flag {extra!r}")
             self.error(f"unexpected argument {extra!r}")
         return parsed
+
+
+def folder_to_write(text: str) -> Path:
+    """An output folder (--out DIR): an empty name is refused, since it would be the current folder
+    and the outputs would land among the user's own files."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty folder name would write into the current folder; "
+                                         "name a folder, e.g. --out DIR")
+    return Path(text).expanduser()
 
 
 def non_negative_int(text: str) -> int:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import faulthandler
 import gc
 import importlib
+import platform
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from rich.console import Console
 from rich.markup import escape
@@ -41,14 +43,31 @@ def usage() -> str:
     lines += [f"  {name:<9} {help_text}" for name, help_text in COMMANDS.items()]
     lines += ["", "Config overrides are Hydra's key=value syntax, e.g. dtrain train model=tiny world=2 "
               "parallel=ddp optim.lr=3e-4.", "`dtrain COMMAND --help` describes each command; "
-              "`dtrain train --help` lists config groups and options."]
+              "`dtrain train --help` lists config groups and options; `dtrain --version` names the versions."]
     return "\n".join(lines)
+
+
+def version_line() -> str:
+    """dtrain's version and what it runs on, read from the installed packages' metadata (no import
+    of torch: `dtrain --version` answers at once)."""
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"dtrain {installed('dtrain')} (torch {installed('torch')}, hydra-core {installed('hydra-core')}, "
+            f"python {platform.python_version()})")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return
+    if argv[0] in ("--version", "-V", "version") or (argv[0] == "train" and "--version" in argv[1:]):
+        print(version_line())  # `dtrain train --version` too: dtrain's version, not Hydra's
         return
     name = argv[0]
     if name not in COMMANDS:

@@ -1,25 +1,30 @@
-"""Hydra composition for every command: the overrides of a command line, the points of a sweep, and
-the composed config, with Hydra's errors turned into one line. No torch here: a bad config is
-reported before torch would have finished importing."""
+"""Hydra composition for every command: the overrides of a command line, Hydra's own flags that say
+where configs come from (--config-dir, --config-path, --config-name), the points of a sweep, and the
+composed config, with Hydra's errors turned into one line. Only Hydra's public API (`hydra.compose`,
+`initialize_config_dir`, the override parser): the run itself goes through `hydra.main`, which reads
+the same flags, so what the checks compose is what runs. No torch here: a bad config is reported
+before torch would have finished importing."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
+import itertools
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_config_search_path
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
+from trainer.config_keys import run_identity
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
@@ -32,6 +37,64 @@ HYDRA_FLAGS = {"--multirun", "-m", "--resolve", "--help", "-h", "--hydra-help", 
 # Flags that only print something (help, the config): nothing is checked or run.
 INFORMATIONAL_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c",
                        "--shell-completion", "-sc")
+
+
+# The resolver of the default run directory (conf/config.yaml: outputs/${dtrain_run_name:}).
+RUN_NAME_RESOLVER = "dtrain_run_name"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSource:
+    """Where the configs come from, as Hydra's flags say: the primary config folder (--config-path;
+    dtrain's conf/ by default), the primary config's name (--config-name) and folders searched
+    beside it (--config-dir), each absolute."""
+
+    config_path: Path = CONF_DIR
+    config_name: str = CONFIG_NAME
+    config_dirs: tuple[Path, ...] = ()
+
+    def hydra_flags(self) -> list[str]:
+        """The same source as flags for `hydra.main`, paths absolute (a relative --config-path would
+        be taken relative to dtrain's installed module, not to where the command was typed)."""
+        flags = [f"--config-path={self.config_path}"] if self.config_path != CONF_DIR else []
+        flags += [f"--config-name={self.config_name}"] if self.config_name != CONFIG_NAME else []
+        return flags + [f"--config-dir={d}" for d in self.config_dirs]
+
+
+SOURCE_FLAGS = {"--config-path": "config_path", "-cp": "config_path", "--config-name": "config_name",
+                "-cn": "config_name", "--config-dir": "config_dirs", "-cd": "config_dirs"}
+
+
+def config_source(args: list[str]) -> ConfigSource:
+    """The ConfigSource Hydra's flags among args ask for; a folder that is not there is one line."""
+    found: dict = {"config_dirs": ()}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in SOURCE_FLAGS or (not eq and i + 1 >= len(args)):
+            continue
+        value = value if eq else args[i + 1]
+        field = SOURCE_FLAGS[flag]
+        if field == "config_name":
+            found[field] = value
+            continue
+        folder = Path(value).expanduser().absolute()
+        if not folder.is_dir():
+            raise UserError(f"{flag} {value}: no such folder ({folder}); give a folder of Hydra configs")
+        found[field] = found["config_dirs"] + (folder,) if field == "config_dirs" else folder
+    return ConfigSource(**found)
+
+
+def hydra_args(args: list[str]) -> list[str]:
+    """args with Hydra's source flags replaced by their absolute form (ConfigSource.hydra_flags)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in SOURCE_FLAGS:
+            skip = True
+        elif arg.partition("=")[0] not in SOURCE_FLAGS:
+            kept.append(arg)
+    return [*config_source(args).hydra_flags(), *kept]
 
 
 def split_args(args: list[str]) -> tuple[list[str], bool]:
@@ -66,7 +129,8 @@ def hydra_error_text(err: Exception) -> str:
         options = options.split("Config search path:", 1)[0]
         names = [w.strip() for w in options.split("\n")[1:] if w.strip()]
         return f"{head.strip().splitlines()[-1]}; available: {', '.join(names)}"
-    parts = [line.strip() for line in text.splitlines() if line.strip()]
+    text = text.split("Config search path:", 1)[0]  # Hydra's list of every folder it searched
+    parts = [line.strip().rstrip(".") for line in text.splitlines() if line.strip()]
     cause = err.__cause__
     if cause is not None and str(cause).strip():
         parts.append(str(cause).strip().splitlines()[0])
@@ -95,9 +159,29 @@ def quote_hint(override: str) -> UserError:
 def unknown_key_error(key: str) -> UserError:
     """The one line for a key the schema does not have, however it was given (`key=`, `+key=`,
     `++key=`): Hydra's own advice for `key=` would be `+key=`, which the schema refuses as well."""
-    close = difflib.get_close_matches(key, schema_keys(), n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
+    close = closest_key(key, schema_keys())
+    hint = f"did you mean {close}? " if close else ""
     return UserError(f"bad config: {key} is not a config key; {hint}`dtrain train --cfg job` lists every key")
+
+
+def closest_key(key: str, keys: list[str]) -> str | None:
+    """The schema key a typo most likely meant: in the same section, a name spelled out where the
+    schema abbreviates it (`optim.learning_rate` -> `optim.lr`, the initials of its words) or the
+    other way round; then the closest spelling in that section; then the closest key anywhere."""
+    section, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
+
+    def initials(name: str) -> str:
+        return "".join(word[0] for word in name.split("_") if word)
+
+    for name, full in siblings.items():
+        if "_" in leaf + name and initials(leaf) in (name, initials(name)) or initials(name) == leaf:
+            return full
+    near = difflib.get_close_matches(leaf, list(siblings), n=1)
+    if near:
+        return siblings[near[0]]
+    anywhere = difflib.get_close_matches(key, keys, n=1)
+    return anywhere[0] if anywhere else None
 
 
 def check_schema_keys(cfg: DictConfig) -> None:
@@ -126,13 +210,35 @@ def _user_error(err: Exception, overrides: list[str]) -> Exception:
     return err
 
 
-def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
-    """The config `dtrain train` would compose for these overrides (for prepare, plan, checks)."""
+def register_hydra() -> None:
+    """The schema and dtrain's resolvers, before anything composes (hydra.main included)."""
     register_configs()
+    if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
+
+
+def default_run_name(root: DictConfig) -> str:
+    """The run's name from its trajectory keys (config_keys.run_identity), as the run will record
+    them: model.init_from made absolute (anchor_paths), whatever folder the command is typed in."""
+    job = OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]), resolve=True)
+    init_from = job["model"].get("init_from")
+    if init_from and init_from != INIT_FROM_REQUIRED:
+        job["model"]["init_from"] = str(Path(init_from).expanduser().absolute())
+    return run_identity(job)
+
+
+def compose(overrides: list[str], return_hydra_config: bool = False,
+            source: ConfigSource = ConfigSource()) -> DictConfig:
+    """The config `dtrain train` composes for these overrides from `source` (for every check, for
+    prepare and plan), through Hydra's public compose API. --config-dir folders are searched as
+    `hydra.main` searches them: after the primary folder, before the schema, ahead of the
+    command line's own `hydra.searchpath` entries."""
+    register_hydra()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=JOB_NAME):
-            cfg = hydra_compose(CONFIG_NAME, overrides=overrides, return_hydra_config=return_hydra_config)
+        with initialize_config_dir(config_dir=str(source.config_path), version_base="1.3", job_name=JOB_NAME):
+            cfg = hydra_compose(source.config_name, overrides=_with_search_path(overrides, source),
+                                return_hydra_config=return_hydra_config)
     except Exception as err:
         raise _user_error(err, overrides) from None
     finally:
@@ -141,20 +247,18 @@ def compose(overrides: list[str], return_hydra_config: bool = False) -> DictConf
     return cfg
 
 
-def compose_run(overrides: list[str]) -> tuple[Hydra, DictConfig]:
-    """Hydra, set up as `hydra.main` sets it up, and the one composed config of a single run
-    (the hydra section included), ready for Hydra's own run_job."""
-    register_configs()
-    GlobalHydra.instance().clear()
-    hydra = Hydra.create_main_hydra2(JOB_NAME, create_config_search_path(str(CONF_DIR)))
-    try:
-        cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN, with_log_configuration=True)
-    except Exception as err:
-        raise _user_error(err, overrides) from None
-    check_schema_keys(cfg)
-    cfg.hydra.mode = RunMode.RUN
-    anchor_paths(cfg)
-    return hydra, cfg
+def _with_search_path(overrides: list[str], source: ConfigSource) -> list[str]:
+    if not source.config_dirs:
+        return overrides
+    given = [o for o in overrides if o.partition("=")[0] == "hydra.searchpath"]
+    entries = [f"file://{d}" for d in source.config_dirs]
+    if given:
+        try:
+            entries += list(OverridesParser.create().parse_overrides(given[-1:])[0].value())
+        except Exception as err:
+            raise UserError(f"bad override: {hydra_error_text(err)}") from None
+    listed = ",".join("'" + str(e).replace("'", "\\'") + "'" for e in entries)
+    return [o for o in overrides if o not in given] + [f"hydra.searchpath=[{listed}]"]
 
 
 def anchor_paths(cfg: DictConfig) -> None:
@@ -166,7 +270,8 @@ def anchor_paths(cfg: DictConfig) -> None:
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
-    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists)."""
+    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists), in the
+    order Hydra's basic sweeper runs them (the last override varies fastest)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as err:
@@ -174,5 +279,27 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
         if isinstance(err, OverrideParseException) and unquoted:
             raise quote_hint(unquoted) from None
         raise UserError(f"bad override: {hydra_error_text(err)}") from None
-    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
-    return [point for batch in batches for point in batch]
+    axes: dict[str, list[str]] = {}  # a key given twice keeps its place and takes the last value, as Hydra's
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override() and not override.is_discrete_sweep():
+            raise UserError(f"{key}: a {override.value_type.name} sweep needs a sweeper plugin "
+                            "(hparams_search=...); the basic sweep takes lists: key=a,b,c or range(...)")
+        values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                  else [override.get_value_element_as_str()])
+        axes[key] = [f"{key}={value}" for value in values]
+    return [list(point) for point in itertools.product(*axes.values())]
+
+
+@contextlib.contextmanager
+def env_flag(name: str, value: str) -> Iterator[None]:
+    """An environment variable set for the life of a `with` block, restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -33,6 +33,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 TOKENIZER_VOCAB_SIZE = 50257
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
@@ -135,6 +136,8 @@ class OptimConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | linear, to min_lr at max_steps
+    decay_fraction: float = 0.2  # wsd: the share of max_steps in the final decay
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -187,7 +190,9 @@ class TrainConfig:
     loss_chunks: int = 1
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     sample_prompt: str = "ROMEO:"
-    progress: bool = True  # rich progress bar on rank 0
+    # Rank 0 on a terminal: a live progress bar. false, or no terminal (a pipe, a file, nohup, Slurm):
+    # one plain line per log_interval steps on stdout. dtrain.log gets those lines either way.
+    progress: bool = True
     # Peak FLOP/s of one worker's device, for the `mfu` field of metrics.jsonl. null = known GPUs
     # only (H100/H200 989e12, A100 312e12 dense bf16); set it to get MFU elsewhere (e.g. a CPU).
     peak_flops: Optional[float] = None
@@ -200,7 +205,10 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between checkpoints (0 = only at the end)
+    # steps between checkpoints (0 = only at the end): on by default, so that a crash or a kill -9
+    # costs at most this many steps, not the run; by steps, not minutes, so every rank and every
+    # rerun saves at the same steps without a collective to agree on the time
+    interval: int = 100
     keep: int = 3
     async_save: bool = False
 

@@ -15,6 +15,12 @@ schema is in neither table (or in both). Torch-free, like the schema.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+
+from trainer.io import dotted_keys
+
 TRAJECTORY = (
     "model.",
     "data.name", "data.dir", "data.source", "data.sha256", "data.val_fraction", "data.shard_tokens",
@@ -57,3 +63,17 @@ def key_kind(key: str) -> str | None:
 
 def is_operational(key: str) -> bool:
     return key_kind(key) == "operational"
+
+
+def run_identity(config: dict) -> str:
+    """The default run directory's name for a resolved config (plain data, no hydra section):
+    `<model>-<data>-<digest>`, the digest over the trajectory keys. The same command, run again,
+    finds the same folder and continues there; a changed operational key (world, mode, intervals)
+    keeps it, a changed trajectory key is another run in another folder. The batch keys are left
+    out: the global batch they make is checked against the checkpoint's (a continuation told to
+    repeat train.total_batch_size must land in the same folder)."""
+    keys = {k: v for k, v in dotted_keys(config).items() if key_kind(k) == "trajectory" and k not in BATCH_KEYS}
+    digest = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    model, data = config.get("model", {}).get("name"), config.get("data", {}).get("name")
+    parts = [str(p) for p in (model, data) if p] + [digest]
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in parts)

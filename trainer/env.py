@@ -25,3 +25,11 @@ def is_secondary_rank() -> bool:
 def restart_count() -> int:
     """How many times torchrun's agent has restarted this job's workers (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+# The `dtrain train ...` command that continues this run (set by the driver for the stop line).
+CONTINUE_COMMAND_ENV = "DTRAIN_CONTINUE_COMMAND"
+
+
+def continue_command() -> str | None:
+    return os.environ.get(CONTINUE_COMMAND_ENV)

@@ -13,6 +13,14 @@ from pathlib import Path
 from typing import Any
 
 
+def new_file_mode() -> int:
+    """The permissions a plain new file gets under this process's umask: what write_atomic's
+    `mode` should be for a file the user reads (mkstemp makes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = False, mode: int | None = None) -> None:
     """Write `data` to `path` through a temporary file in the same folder and one rename: a reader
     sees the old file or the new one, never a torn one. `durable` also fsyncs the file and the

@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -17,6 +18,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.env import under_torchrun
 from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
+from trainer.joblog import worker_environment
 from trainer.rendezvous import rendezvous_plan
 from trainer.signals import ELASTIC_SIGNALS, DriverSignals
 
@@ -42,7 +44,8 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         return entrypoint(*args)
     nnodes = launch["nnodes"]
     nproc = world // nnodes
-    # Local rank 0 prints to this terminal (the rich progress bar); the others log to files.
+    # Local rank 0 prints to this terminal (the progress bar or step lines, also in dtrain.log); the
+    # others print their own step lines to files: <log_dir>/<run id>/attempt_<n>/<local rank>/.
     redirects = {local_rank: Std.ALL for local_rank in range(1, nproc)}
     logs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects, tee=Std.NONE)
     rdzv_id = launch["rdzv_id"]
@@ -67,7 +70,7 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     )
     _quiet_user_errors()
     try:
-        with _environment(worker_env), DriverSignals() if stop_signals else nullcontext():
+        with _environment({**worker_env, **worker_environment()}), DriverSignals() if stop_signals else nullcontext():
             results = elastic_launch(config, worker_process)(entrypoint, *args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
@@ -96,6 +99,9 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     """entrypoint(*args) in a worker process that torchrun's engine started, which exits once it
     returns: its objects are frozen first, so that the interpreter's last garbage collections skip
     them (about 0.3 s of a worker's exit with torch loaded; see trainer.cli.run)."""
+    # Python chose stdout's buffering from what the driver's stdout was; the launcher may have
+    # pointed it at a log file since: each line goes out as it is printed, not once a block fills.
+    sys.stdout.reconfigure(line_buffering=True)
     try:
         return entrypoint(*args)
     finally:

@@ -6,20 +6,24 @@ so that a mistake they catch leaves nothing a later command would take for a run
     train.device=cuda[:N] with no CUDA device
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
+    a fresh run directory on a disk without room for one checkpoint (its size needs the model)
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 
 from rich.console import Console
 
-from trainer.checkpoint.layout import resolve_checkpoint
+from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
+from trainer.checkpoint.space import check_space_for_first_checkpoint
 from trainer.checkpoint.verify import check_model_config, read_checkpoint_config
 from trainer.config import tracker_names
 from trainer.errors import UserError
 from trainer.io import one_line
+from trainer.memory import checkpoint_bytes
 from trainer.parallel import strategy_class
 from trainer.runtime import pick_device
 
@@ -27,13 +31,17 @@ from trainer.runtime import pick_device
 WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
 
 
-def check_launch(cfg, world: int) -> None:
-    """Every check of this module, in the order a user would fix them; raises UserError."""
+def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
+    """Every check of this module, in the order a user would fix them; raises UserError. `run_dir`:
+    the run's directory (None: a sweep's points before its folders are known)."""
     check_mode(cfg, world)
     pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
         check_wandb_credentials()
+    if run_dir is not None and latest_checkpoint(run_dir) is None:
+        # a continuation's room was checked by preflight against its newest checkpoint
+        check_space_for_first_checkpoint(run_dir, checkpoint_bytes(cfg))
 
 
 def check_mode(cfg, world: int) -> None:

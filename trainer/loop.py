@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from trainer.checkpoint.init_from import start_from_weights
 from trainer.config import BatchPlan, batch_plan
@@ -16,12 +19,14 @@ from trainer.data.shards import open_split, redo_command
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
+from trainer.joblog import job_log
 from trainer.memory import device_peak_flops
-from trainer.metrics import MetricsLogger, ProgressView, summary_table
+from trainer.metrics import MetricsLogger, ProgressView
 from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
 from trainer.parallel import make_strategy
+from trainer.provenance import describe, what_ran
 from trainer.runtime import Runtime
 from trainer.signals import at_step_boundary
 from trainer.trackers import open_trackers
@@ -42,11 +47,13 @@ class RunResult:
     final_loss: float
     best_val_loss: float
     tokens: int
-    tokens_per_s: float
+    tokens_per_s: float  # wall clock: evaluation, checkpoints and the sample's time included
+    train_tokens_per_s: float  # in training steps only, as the step lines measure it
     wall_s: float
     steps: int
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
+    ran: dict = field(default_factory=dict)  # what produced the figures (trainer/provenance.py)
 
 
 class Run:
@@ -185,7 +192,13 @@ class Run:
 
 
 def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
-    """Train according to cfg; rank 0 writes metrics.jsonl and prints. Returns the run's figures."""
+    """Train according to cfg; rank 0 writes metrics.jsonl and prints, also to the job log
+    (dtrain.log). Returns the run's figures."""
+    with job_log(rt.is_main):
+        return _train(cfg, rt, run_dir, checkpointer)
+
+
+def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
     hellaswag = None
     if cfg.eval.interval > 0:  # the examples are read and tokenized once per run, not per eval
         hellaswag = HellaSwagEval.from_config(cfg, rt)
@@ -200,7 +213,9 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
     start_step = state.step
     sinks = open_trackers(cfg, run_dir, start_step) if rt.is_main else []
     metrics = MetricsLogger(run_dir, rt.is_main, resume_step=start_step, sinks=sinks)
-    view = ProgressView(rt.is_main, t.max_steps, start_step, bar=t.progress)
+    view = ProgressView(rt.rank, t.max_steps, start_step, bar=t.progress)
+    view.rank_line(f"pid {os.getpid()} on {socket.gethostname()}, world {rt.world}, device {rt.device}, "
+                   f"from step {start_step}")
     if rt.is_main:
         n_params = run.strategy.unwrap(run.model).num_params()
         view.print(
@@ -213,8 +228,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
         )
     steps = StepLog(run, metrics, view)
     guard = run.guard
-    t_start = time.perf_counter()
-    steps.restart_window(t_start)
+    t_start = steps.t_first
     try:
         while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
             steps.after_step(*run.train_step(state.step))
@@ -249,17 +263,20 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
             best_val_loss=state.best_val_loss,
             tokens=state.tokens,
             tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
+            train_tokens_per_s=steps.training_tokens_per_s(),
             wall_s=wall,
             steps=state.step,
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
+            ran=what_ran(rt) if rt.is_main else {},
         )
         view.close()
         if t.sample_tokens > 0:
             text = run.sample(t.sample_prompt, t.sample_tokens, t.seed)
-            view.print("[bold]sample:[/]\n" + text)
+            view.print("[bold]sample:[/]\n" + escape(text))
+        view.summary("run summary", _summary_rows(result, run_dir))
+        view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
-            view.console.print(summary_table("run summary", _summary_rows(result, run_dir)))
             metrics.log({"step": state.step, "tokens": state.tokens, "summary": asdict(result)})
         return result
     finally:
@@ -271,7 +288,11 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
 
 class StepLog:
     """The loop's bookkeeping after each optimizer step: counters, and every log_interval steps
-    (and on the first and last) one host sync for the loss, tokens/s, MFU and the log record."""
+    (and on the first and last) one host sync for the loss, tokens/s, MFU, ETA and the log record.
+
+    tokens/s is measured in windows that end at a logged step and restart after evaluation or a
+    checkpoint, so it is training throughput; the summary's "training steps" figure is the same
+    measure over all the windows, its wall-clock figure also counts the time between them."""
 
     def __init__(self, run: Run, metrics: MetricsLogger, view: ProgressView):
         self.run, self.metrics, self.view = run, metrics, view
@@ -283,7 +304,10 @@ class StepLog:
         peak = device_peak_flops(run.rt.device, t.peak_flops)
         self.peak_total = peak * run.rt.world if peak else None
         self.trained_tokens = 0
-        self.restart_window()
+        self.window_tokens = 0  # tokens and seconds of the windows closed at a logged step
+        self.window_seconds = 0.0
+        self.t_first = time.perf_counter()  # the training's start (ETA and the wall-clock figure)
+        self.restart_window(self.t_first)
 
     def restart_window(self, now: float | None = None) -> None:
         """Start a new tokens/s window (after evaluation or checkpointing, which are not training)."""
@@ -301,6 +325,8 @@ class StepLog:
         loss_value = float(loss)  # reduced over ranks and read by the step's check: no extra sync
         now = time.perf_counter()
         tokens_per_s = self.tokens_window / (now - self.t_window)
+        self.window_tokens += self.tokens_window
+        self.window_seconds += now - self.t_window
         self.restart_window(now)
         if finite:
             state.last_loss = loss_value
@@ -313,12 +339,20 @@ class StepLog:
             "tokens_per_s": tokens_per_s,
             "skipped": self.run.guard.take_skips(),  # updates skipped since the previous train line
         }
-        status = f"loss {loss_value:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s"
         if self.peak_total:
             record["mfu"] = self.run.flops_per_token * tokens_per_s / self.peak_total
-            status += f" mfu {record['mfu']:.1%}"
         self.metrics.log(record)
-        self.view.update(state.step, status)
+        self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now))
+
+    def _eta(self, now: float) -> float | None:
+        """Seconds left at this session's pace so far (evaluation and checkpoints included)."""
+        done = self.run.state.step - self.first_step + 1
+        if done <= 0:
+            return None
+        return (now - self.t_first) / done * (self.max_steps - self.run.state.step)
+
+    def training_tokens_per_s(self) -> float:
+        return self.window_tokens / self.window_seconds if self.window_seconds > 0 else 0.0
 
 
 def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
@@ -327,7 +361,10 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         "tokens": f"{result.tokens:,}",
         "final train loss": f"{result.final_loss:.4f}",
         "best val loss": "-" if math.isinf(result.best_val_loss) else f"{result.best_val_loss:.4f}",
-        "tokens/s": f"{result.tokens_per_s:,.0f}",
+        # two figures, named so that neither is mistaken for the other (the step lines show the first)
+        "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
+        "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
         "wall time": f"{result.wall_s:.1f} s",
+        "ran with": describe(result.ran),
         "run dir": str(run_dir),
     }

@@ -56,6 +56,7 @@ import functools
 import re
 
 import torch
+from omegaconf import OmegaConf
 
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
@@ -273,6 +274,25 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
                     strategy.keeps_gradient_buckets)
+
+
+def checkpoint_bytes(cfg) -> int:
+    """The tensor bytes of one checkpoint of `cfg`'s run: the whole model and optimizer state in
+    fp32 (weights, AdamW's two moments and step counters, Muon's momentum), whatever the mode
+    shards, for a save writes every rank's part. Sized on meta models of one and two blocks: the
+    blocks are alike, so the state grows by the same bytes per block and a deep model costs no
+    time to size."""
+
+    def state(n_layer: int) -> int:
+        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}})
+        one_rank = estimate(sized, "none", 1, 1, "cpu")
+        return one_rank.params + one_rank.optim
+
+    depth = cfg.model.n_layer
+    if depth <= 2:
+        return state(depth)
+    first, second = state(1), state(2)
+    return first + (depth - 1) * (second - first)
 
 
 def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int) -> int:

@@ -1,7 +1,8 @@
-"""Rank 0's outputs: metrics.jsonl, the rich progress bar, and the end-of-run summary table."""
+"""Rank 0's outputs: metrics.jsonl, the progress bar or step lines, and the end-of-run summary table."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import math
@@ -13,9 +14,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from trainer.errors import ConfigError
 from trainer.io import write_atomic
+from trainer.joblog import LOG, rank_lines_wanted
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -104,13 +107,23 @@ class MetricsLogger:
 
 
 class ProgressView:
-    """Rank 0's live progress bar: loss, lr, tokens/s and ETA."""
+    """What a run shows as it goes. Rank 0: on a terminal with train.progress on, the live bar (loss,
+    lr, tokens/s, ETA); otherwise (a pipe, a file, nohup, Slurm, or train.progress=false) one plain
+    line per logged step on stdout. Either way every line, the step lines included, goes to the job
+    log (trainer.joblog). Other ranks print their own lines (prefixed `rank N: `) only when dtrain's
+    launcher started them (trainer.joblog.RANK_LINES_ENV): into their log files under <run dir>/logs,
+    or, for local rank 0 of a further node, onto that node's output."""
 
-    def __init__(self, enabled: bool, total_steps: int, start_step: int, bar: bool = True):
+    def __init__(self, rank: int, total_steps: int, start_step: int, bar: bool = True):
         self.console = Console(stderr=False)
-        self.enabled = enabled  # rank 0 prints; the others stay silent
+        self.enabled = rank == 0  # rank 0 shows the run; the others at most their own step lines
+        self.total_steps = total_steps
+        self.terminal = sys.stdout.isatty()
         self._progress = None
-        if not (enabled and bar):
+        self._prefix = "" if self.enabled else f"rank {rank}: "
+        show_bar = self.enabled and bar and self.terminal
+        self.lines = not show_bar and (self.enabled or rank_lines_wanted())
+        if not show_bar:
             return
         self._progress = Progress(
             TextColumn("[bold]step {task.completed}/{task.total}"),
@@ -120,25 +133,55 @@ class ProgressView:
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=self.console,
-            disable=not sys.stdout.isatty(),
             transient=False,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
         self._progress.start()
 
-    def update(self, step: int, status: str) -> None:
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mfu: float | None,
+               eta_s: float | None) -> None:
+        """A logged step: the bar's status, or a plain line (`step 5/20 | loss ... | eta 0:01:02`)."""
+        status = f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s"
+        if mfu is not None:
+            status += f" | mfu {mfu:.1%}"
+        line = f"step {step}/{self.total_steps} | {status} | eta {_clock(eta_s)}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=status)
+        elif self.lines:
+            # flushed: a pipe or a redirected worker's file would otherwise hold it until a block fills
+            print(self._prefix + line, flush=True)
+        if self.enabled:
+            LOG.info(line)
+
+    def rank_line(self, message: str) -> None:
+        """A line of a rank other than 0 for its own log file (nothing elsewhere)."""
+        if self.lines and not self.enabled:
+            print(self._prefix + message, flush=True)
 
     def print(self, message: str) -> None:
-        """A line that stays above the bar (also the only output when stdout is not a terminal)."""
+        """A line above the bar, or between the step lines (rich markup), also in the job log."""
         if self.enabled:
-            self.console.print(message, highlight=False)
+            # soft_wrap off a terminal: rich would break long lines at 80 columns in a log
+            self.console.print(message, highlight=False, soft_wrap=not self.terminal)
+            LOG.info(Text.from_markup(message).plain)
+
+    def summary(self, title: str, rows: dict[str, str]) -> None:
+        """The end-of-run table; the job log gets it as one line."""
+        if self.enabled:
+            self.console.print(summary_table(title, rows))
+            LOG.info(f"{title}: " + " | ".join(f"{key} {value}" for key, value in rows.items()))
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _clock(seconds: float | None) -> str:
+    """h:mm:ss, as the bar's columns show time ("-" while unknown)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    return str(datetime.timedelta(seconds=round(seconds)))
 
 
 def summary_table(title: str, rows: dict[str, str]) -> Table:

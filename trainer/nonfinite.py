@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.errors import ConfigError, NonFiniteError
+from trainer.joblog import say
 from trainer.runtime import Runtime
 
 INJECT_ENV = "DTRAIN_INJECT_NONFINITE"
@@ -142,9 +143,8 @@ class NonFiniteGuard:
         metrics.log({"step": state.step, "tokens": state.tokens,
                      "rollback": {"from_step": step, "count": self.rollbacks, "checkpoint": target}})
         if self.rt.is_main:
-            print(f"dtrain: non-finite {what} at step {step}: rolled back to {target} (step {state.step}), "
-                  f"data position kept past the failed batches (rollback {self.rollbacks} of {self.limit})",
-                  flush=True)
+            say(f"non-finite {what} at step {step}: rolled back to {target} (step {state.step}), "
+                f"data position kept past the failed batches (rollback {self.rollbacks} of {self.limit})")
         return True
 
     def newest(self, checkpointer) -> str | None:

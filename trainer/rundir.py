@@ -117,7 +117,7 @@ def finished_message(run_dir: Path) -> str:
     best_text = f", best val loss {best:.4f}" if isinstance(best, (int, float)) else ""
     return (f"run {run_dir} already finished (step {summary.get('steps')}, final train loss "
             f"{summary.get('final_loss', float('nan')):.4f}{best_text}); nothing to do. To train it further, "
-            f"name its checkpoint: train.max_steps=N resume={run_dir}")
+            f"name its checkpoint: train.max_steps=N resume={run_dir}; to start afresh, hydra.run.dir=ANOTHER_DIR")
 
 
 def _short(value: Any) -> str:

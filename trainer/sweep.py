@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
-from trainer.compose import compose, split_args, sweep_points
+from trainer.compose import compose, config_source, split_args, sweep_points
 from trainer.env import under_torchrun
 from trainer.errors import Stopped, UserError
 from trainer.io import write_atomic
@@ -250,7 +250,7 @@ def pin_sweep_dir(args: list[str]) -> tuple[list[str], Path | None]:
     if not multirun or printing or under_torchrun():
         return args, None
     points = sweep_points(overrides)
-    cfg = compose(points[0] if points else [], return_hydra_config=True)
+    cfg = compose(points[0] if points else [], return_hydra_config=True, source=config_source(args))
     folder_setting("hydra.sweep.dir", cfg.hydra.sweep.dir)  # not empty, no name too long
     sweep_dir = Path(str(cfg.hydra.sweep.dir))
     check_writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}", "choose another hydra.sweep.dir=")

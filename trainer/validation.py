@@ -23,6 +23,7 @@ from trainer.config import (
     OPTIMIZERS,
     PARALLEL_MODES,
     POSITIONS,
+    SCHEDULES,
     TOKENIZER_VOCAB_SIZE,
     Config,
     batch_plan,
@@ -69,6 +70,7 @@ RANGES = {
     "data.num_proc": _at_least(1),
     "optim.lr": _positive(),
     "optim.warmup_steps": _at_least(0),
+    "optim.decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1] (the share of train.max_steps in the decay)"),
     "optim.weight_decay": _at_least(0),
     "optim.eps": _positive(),
     "optim.grad_clip": _at_least(0),  # 0 = no clipping
@@ -198,6 +200,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; {fix}")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}] (0: cosine to zero)")
+    if o.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={o.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)} (optim=NAME sets it)")
     if o.muon.adjust_lr not in MUON_ADJUST_LR:

@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from trainer.errors import UserError
@@ -21,6 +21,9 @@ from trainer.errors import UserError
 MIN_FREE_BYTES = 1 << 20
 # The errors of a write that the user fixes (space, permissions, a read-only mount), not dtrain.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# A file takes whole blocks of the file system (4 KiB on ext4, xfs and tmpfs), and its temporary
+# copy's name an entry more: what a room check adds per file.
+BLOCK_BYTES = 4096
 
 
 def folder_setting(key: str, value) -> Path:
@@ -83,6 +86,18 @@ def check_writable_dir(path: Path, what: str, fix: str) -> None:
     free = _free_bytes(probe)
     if free < MIN_FREE_BYTES:
         raise UserError(f"{what}: the disk holding {probe} is full ({free:,} bytes free); free space there or {fix}")
+
+
+def check_room(folder: Path, sizes: Iterable[int], what: str, fix: str) -> None:
+    """Refuse, before anything is written, files of `sizes` bytes that the disk holding `folder`
+    cannot take (each rounded up to a block, as a file system stores it). `what` names them (e.g.
+    "the export"), `fix` how to choose another folder."""
+    sizes = list(sizes)
+    need = sum(-(-size // BLOCK_BYTES) * BLOCK_BYTES for size in sizes) + BLOCK_BYTES * len(sizes)
+    free = _free_bytes(nearest_existing(folder))
+    if free < need:
+        raise UserError(f"no space left on the disk holding {folder} for {what}: it needs {need:,} bytes, "
+                        f"{free:,} are free; free space there or {fix}")
 
 
 def _free_bytes(path: Path) -> int:

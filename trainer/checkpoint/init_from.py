@@ -12,7 +12,6 @@ schedule, step and data start fresh: this is not a resume (which continues a run
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from trainer.checkpoint.selection import check_explicit, newest_intact
 from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
+from trainer.joblog import say
 
 
 def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:
@@ -59,7 +59,7 @@ def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:
 
 def _say(rt, message: str) -> None:
     if rt.is_main:
-        print(f"dtrain: {message}", file=sys.stderr, flush=True)
+        say(message)
 
 
 def _verified_source(spec: str) -> tuple[InitSource, object]:

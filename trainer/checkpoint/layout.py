@@ -71,6 +71,20 @@ def corrupt_dir(ckpt: Path) -> Path:
     return dest
 
 
+def enclosing_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder (a `step_*` or `.tmp_*` save, or a run's `checkpoints/` folder) that
+    `path` is or lies inside, else None: a folder where only saves write, so that what a resume
+    verifies and retention removes is never mixed with other files."""
+    for folder in (Path(path).absolute(), *Path(path).absolute().parents):
+        named_as_save = checkpoint_step(folder) is not None or folder.name.startswith(TMP_PREFIX)
+        if named_as_save and (folder.parent.name == CHECKPOINT_DIR or has_marker(folder)):
+            return folder
+        if folder.name == CHECKPOINT_DIR and folder.is_dir() and any(
+                checkpoint_step(child) is not None for child in folder.iterdir()):
+            return folder
+    return None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints in a `checkpoints/` folder, oldest step first."""
     root = Path(root)

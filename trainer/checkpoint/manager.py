@@ -11,7 +11,6 @@ import errno
 import json
 import math
 import shutil
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +45,7 @@ from trainer.data.identity import data_identity
 from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
+from trainer.joblog import say
 
 
 def _json_float(value: float) -> float | None:
@@ -88,7 +88,7 @@ class Checkpointer:
 
     def _say(self, message: str) -> None:
         if self.rt.is_main:
-            print(f"dtrain: {message}", file=sys.stderr, flush=True)
+            say(message)
 
     # --- restore ---
     def _choose(self) -> tuple[str, Metadata, dict] | None:

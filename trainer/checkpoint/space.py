@@ -5,8 +5,9 @@ checkpoint beside those it keeps. When free space alone cannot, the checkpoints 
 remove after that save anyway (all but the newest keep-1, and never the newest) are removed first:
 checkpoint.keep=1 then needs room for two checkpoints, whatever was kept before. When even that is
 not enough, the run says so in one line with the bytes needed and free: at the start (nothing is
-trained), right after a save (for the next one, so no step is trained that could not be saved) and
-before a save. Standard library only: the run-directory checks use it before torch is imported.
+written; a fresh run's first checkpoint sized from its config, a continuation's next as large as
+its newest), right after a save (for the next one, so no step is trained that could not be saved)
+and before a save. Standard library only: the run-directory checks use it before torch is imported.
 """
 
 from __future__ import annotations
@@ -91,11 +92,30 @@ def check_space_at_start(run_dir: Path, keep: int) -> None:
     error before anything is trained or written."""
     newest = latest_checkpoint(run_dir)
     if newest is None:
-        return  # a fresh run: the worker checks the model's size once it is built
+        return  # a fresh run: check_space_for_first_checkpoint, once the model's size is known
     problem = make_room(Path(run_dir) / CHECKPOINT_DIR, folder_bytes(newest), keep, "at the start (nothing trained)",
                         newest)
     if problem:
         raise CheckpointError(problem)
+
+
+def check_space_for_first_checkpoint(run_dir: Path, need: int) -> None:
+    """A fresh run on a disk that cannot hold one checkpoint (`need`: its tensors' bytes, known from
+    the config) is one error before anything is written: else it would train, with interval=0 to
+    the end, and lose it all at the save."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    try:
+        free = free_bytes(root)
+    except OSError:
+        return  # a folder that cannot be read: the run directory's own checks say why
+    if free >= need + MARGIN_BYTES:
+        return
+    raise CheckpointError(
+        f"not enough free space for the run's first checkpoint under {root}: the model's weights and optimizer "
+        f"state take {need:,} bytes ({need + MARGIN_BYTES:,} with the checkpoint's other files), {free:,} are "
+        f"free, at the start (nothing written); free at least {need + MARGIN_BYTES - free:,} more bytes there "
+        "or put the run directory on a disk with room (hydra.run.dir=)"
+    )
 
 
 def make_room(root: Path, need: int, keep: int, when: str, newest: Path | None, pending: Path | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from trainer.checkpoint.layout import (
 from trainer.config import ModelConfig
 from trainer.errors import CheckpointError
 from trainer.io import first_line
+from trainer.joblog import say
 
 # DCP warns on every single-process save and load (an async one warns from its thread); that is
 # the intended use here. Process-wide, and installed here because every module that saves or
@@ -190,8 +190,7 @@ def verify_files(ckpt: Path) -> None:
     """Every file of the checkpoint against the checksums its marker records (CorruptCheckpoint
     names the first that differs); a checkpoint from before checksums loads, with one line saying so."""
     if not verify_checkpoint_files(ckpt):
-        print(f"dtrain: checkpoint {ckpt} has no checksums (written before dtrain recorded them); "
-              "loading it unverified", file=sys.stderr, flush=True)
+        say(f"checkpoint {ckpt} has no checksums (written before dtrain recorded them); loading it unverified")
 
 
 def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple[Metadata, dict, dict]:

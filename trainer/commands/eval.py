@@ -1,6 +1,6 @@
 """`dtrain eval RUN_DIR`: HellaSwag accuracy of a run's newest checkpoint, on 1 or N workers.
 
-    dtrain eval RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N]
+    dtrain eval RUN_DIR [--out DIR] [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N]
                         [eval.hellaswag.path=FILE] [eval.hellaswag.batch_examples=B] [key=value ...]
 
 The run's recorded config gives the model, the data dir (where the HellaSwag download is cached)
@@ -11,7 +11,8 @@ scoring its share); parallel=fsdp shards the weights over the workers. `ckpt=` p
 of GPT.state_dict()). With world > 1 the workers start through torchrun's engine, like training;
 under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval RUN_DIR`) every
 rank runs this command and they join one group. Rank 0 shows a progress bar (on a terminal;
-train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json.
+train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json (with
+--out DIR: DIR/eval_hellaswag.json, e.g. for a run on a read-only mount).
 
 With --tasks, EleutherAI's lm-evaluation-harness scores the checkpoint instead, on 1 or N workers
 (the optional extra dtrain[harness]; trainer/commands/eval_harness.py):
@@ -36,9 +37,9 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from trainer.args import ArgParser, non_negative_int, positive
+from trainer.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.checkpoint.weights import eval_weights_path, load_weights, weights_step
-from trainer.commands.eval_harness import harness_eval
+from trainer.commands.eval_harness import check_results_folder, harness_eval
 from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.env import under_torchrun
 from trainer.errors import ConfigError
@@ -48,10 +49,11 @@ from trainer.launch import run_workers
 from trainer.metrics import summary_table
 from trainer.model import build_model
 from trainer.parallel import make_strategy, strategy_class
+from trainer.results import HARNESS_FILE
 from trainer.rundir import read_config_record
 from trainer.runtime import init_runtime
 from trainer.validation import check_ranges
-from trainer.writable import not_a_folder
+from trainer.writable import not_a_folder, write_errors_as_user_errors
 
 RESULT_FILE = "eval_hellaswag.json"
 HARNESS_FLAGS = ("include_path", "limit", "num_fewshot", "batch_size", "step", "device", "bootstrap_iters",
@@ -71,22 +73,23 @@ def cmd_eval(argv: list[str]) -> dict:
         parser.error(f"{given[0]} goes with --tasks (lm-evaluation-harness); the built-in HellaSwag takes "
                      "key=value overrides such as eval.limit=N or ckpt=PATH")
     run_dir, cfg, weights = eval_setup(parser, run_dir, overrides)
+    out, fix = check_results_folder(args.out, run_dir)  # a read-only run directory: one line, before work
     cfg_dict = to_dict(cfg)
     world = requested_world(cfg)
+    job = (cfg_dict, str(run_dir), weights, str(out), fix)
     if under_torchrun():
-        return eval_worker(cfg_dict, str(run_dir), weights)
+        return eval_worker(*job)
     # Fetch the file once here, so a download problem is one clear line before any worker starts
     # and the workers only read it.
     cfg_dict["eval"]["hellaswag"]["path"] = str(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir))
-    return run_workers(eval_worker, (cfg_dict, str(run_dir), weights), cfg_dict["launch"], world,
-                       run_dir / "logs")
+    return run_workers(eval_worker, job, cfg_dict["launch"], world, out / "logs")
 
 
 def _parser() -> ArgParser:
     parser = ArgParser(
         prog="dtrain eval",
         description=__doc__,
-        usage="%(prog)s RUN_DIR [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
+        usage="%(prog)s RUN_DIR [--out DIR] [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] "
               "[eval.hellaswag.path=FILE] [key=value ...] | RUN_DIR --tasks T1,T2 [--include-path DIR] [--limit N]",
     )
     # One positional list: the run dir is the argument without "=", wherever it stands.
@@ -94,6 +97,9 @@ def _parser() -> ArgParser:
                         help="the run whose checkpoint is scored; overrides: world=N, parallel=MODE, ckpt=PATH "
                              "or a dotted key of the run's config")
     harness = parser.add_argument_group("lm-evaluation-harness (pip install 'dtrain[harness]')")
+    parser.add_argument("--out", metavar="DIR", type=folder_to_write,
+                        help=f"where the results ({RESULT_FILE}, {HARNESS_FILE}) and the logs of world > 1 go "
+                             "(default: RUN_DIR)")
     harness.add_argument("--tasks", metavar="T1,T2", help="score with the harness on these tasks, groups or tags")
     harness.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
     harness.add_argument("--limit", type=positive(float), metavar="N",
@@ -160,9 +166,9 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[
     return run_dir, cfg, eval_weights_path(run_dir, ckpt)
 
 
-def eval_worker(cfg_dict: dict, run_dir: str, weights: str) -> dict:
+def eval_worker(cfg_dict: dict, run_dir: str, weights: str, out: str, fix: str) -> dict:
     """One worker of `dtrain eval` (module level: torchrun's engine spawns it); rank 0's dict is the
-    result."""
+    result, written into `out` (`fix`: how to choose another folder, for a write that fails)."""
     cfg = from_dict(cfg_dict)
     rt = init_runtime(
         cfg.train.device,
@@ -171,12 +177,13 @@ def eval_worker(cfg_dict: dict, run_dir: str, weights: str) -> dict:
         cfg.launch.threads_per_worker,
     )
     try:
-        return _evaluate(cfg, rt, Path(run_dir), rt.broadcast_object(weights))  # plain torchrun: rank 0's
+        # plain torchrun: rank 0's weights
+        return _evaluate(cfg, rt, Path(run_dir), rt.broadcast_object(weights), Path(out), fix)
     finally:
         rt.shutdown()
 
 
-def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
+def _evaluate(cfg, rt, run_dir: Path, weights: str, out: Path, fix: str) -> dict:
     """Score the weights on this rank's share; rank 0 writes and prints the result.
 
     The model lives only in this frame and is dropped before the caller tears the process group
@@ -223,8 +230,10 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str) -> dict:
         "examples_per_s": round(result.n / wall, 3) if wall > 0 else None,
     }
     if rt.is_main:
-        write_atomic(run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
-        _print_result(record, run_dir / RESULT_FILE)
+        with write_errors_as_user_errors(out, fix):
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+        _print_result(record, out / RESULT_FILE)
     return record
 
 

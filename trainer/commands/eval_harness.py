@@ -2,7 +2,7 @@
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
                         [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
-                        [world=N] [launch.threads_per_worker=T]
+                        [--out DIR] [world=N] [launch.threads_per_worker=T]
 
 The weights come straight from the DCP checkpoint (verified, and refused when corrupt or non-finite,
 as everywhere) into dtrain's own GPT, which trainer/evals/harness.py presents to the harness as a
@@ -10,7 +10,8 @@ model: no Hugging Face conversion, no model download. Task data is the harness's
 downloads what a task names); `--include-path` adds a folder of task YAMLs. The harness's results go
 to <RUN_DIR>/eval_harness.json (`results`, plus step, checkpoint and timing); `dtrain report` shows them.
 --log-samples also writes each request's record as the harness logs it (doc_id, resps, filtered_resps,
-...) to <RUN_DIR>/eval_samples_<task>.jsonl.
+...) to <RUN_DIR>/eval_samples_<task>.jsonl. `--out DIR` puts these files (and the logs of world > 1)
+into DIR instead, e.g. for a run on a read-only mount.
 
 world=N splits the requests over N workers started as training starts them (loopback rendezvous):
 each scores its share of the batches, every worker gets all results, rank 0 writes them; a batch is
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.weights import (
     checkpoint_at_step,
     eval_weights_path,
@@ -86,7 +88,7 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
         raise ConfigError(f"--include-path {args.include_path} {not_a_folder(args.include_path)}; "
                           "pass a folder of task YAML files")
     device = _device(args.device or "auto")
-    check_writable_dir(run_dir, f"the run directory {run_dir}", "make it writable")
+    out, fix = check_results_folder(args.out, run_dir)
     if args.step is not None:
         weights = checkpoint_at_step(run_dir, args.step)
     else:
@@ -101,12 +103,29 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     harness.check_tasks(tasks, manager)
     if offline:  # the tasks' data from the cache, or one line now (not after the workers' retries)
         harness.load_tasks(tasks, manager, offline)
-    job = {"tasks": tasks, "run_dir": str(run_dir), "weights": str(weights), "device": str(device),
+    job = {"tasks": tasks, "run_dir": str(run_dir), "out": str(out), "fix": fix, "weights": str(weights),
+           "device": str(device),
            "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
            "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples),
            "threads": counts["launch.threads_per_worker"]}
     launch = to_dict(OmegaConf.structured(LaunchConfig))
-    return run_workers(harness_worker, (job, manager), launch, counts["world"], run_dir / "logs")
+    return run_workers(harness_worker, (job, manager), launch, counts["world"], out / "logs")
+
+
+def check_results_folder(out: Path | None, run_dir: Path) -> tuple[Path, str]:
+    """(the folder an evaluation's results go to: --out, else the run directory; the advice for
+    choosing another), refused before the weights are read when it cannot take them: a file, a
+    read-only or full disk, a checkpoint folder (only a save writes there)."""
+    if out is None:
+        out, what = run_dir, f"the run directory {run_dir} (where the results go without --out)"
+        fix = "write them elsewhere with --out DIR"
+    else:
+        out, what, fix = out.absolute(), f"--out {out}", "choose another --out DIR"
+    checkpoint = enclosing_checkpoint(out)
+    if checkpoint is not None:
+        raise UserError(f"{what} is in the checkpoint folder {checkpoint}, where only a save writes; {fix}")
+    check_writable_dir(out, what, fix)
+    return out, fix
 
 
 def harness_worker(job: dict, manager) -> dict:
@@ -126,7 +145,7 @@ def harness_worker(job: dict, manager) -> dict:
 def _score(job: dict, manager, rt) -> dict:
     from trainer.evals import harness  # the optional extra dtrain[harness]: only for --tasks
 
-    run_dir, weights = Path(job["run_dir"]), Path(job["weights"])
+    run_dir, out, weights = Path(job["run_dir"]), Path(job["out"]), Path(job["weights"])
     t0 = time.perf_counter()
     if weights.is_dir():
         model, cfg = model_from_run(weights)
@@ -166,10 +185,11 @@ def _score(job: dict, manager, rt) -> dict:
         "load_s": round(load_s, 3),
         "wall_s": round(wall, 3),
     }
-    path = run_dir / HARNESS_FILE
-    with write_errors_as_user_errors(run_dir, "make the run directory writable"):
+    path = out / HARNESS_FILE
+    with write_errors_as_user_errors(out, job["fix"]):
+        out.mkdir(parents=True, exist_ok=True)
         if job["log_samples"]:
-            record["samples"] = {task: str(p) for task, p in harness.write_samples(results, run_dir).items()}
+            record["samples"] = {task: str(p) for task, p in harness.write_samples(results, out).items()}
         write_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
     console = table_console()
     console.print(harness_table(record, f"lm-evaluation-harness: {', '.join(job['tasks'])}"))

@@ -30,15 +30,19 @@ from pathlib import Path
 
 import torch
 
-from trainer.args import ArgParser, non_negative_int
+from trainer.args import ArgParser, folder_to_write, non_negative_int
 from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.checkpoint.hf_llama import export_family
+from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.weights import model_from_run
 from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
-from trainer.io import write_atomic
-from trainer.writable import check_writable_dir, write_errors_as_user_errors
+from trainer.errors import UserError
+from trainer.io import new_file_mode, write_atomic
+from trainer.writable import check_room, check_writable_dir, write_errors_as_user_errors
 
 OUT_FIX = "choose another --out DIR"
+# safetensors' header: a JSON entry per tensor (name, dtype, shape, offsets), under 200 bytes for our names
+SAFETENSORS_ENTRY_BYTES = 200
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,29 +52,49 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     returns out.
     `out_label` names the output folder in errors (default: `--out OUT`)."""
     safetensors = safetensors_lib("dtrain export")
-    # a file at --out, a read-only folder or a full disk: one line before the weights are read
-    check_writable_dir(out, out_label or f"--out {out}", OUT_FIX)
+    label = out_label or f"--out {out}"
+    # the run directory itself, a checkpoint, a file, a read-only folder or a full disk: one line
+    # before the weights are read
+    check_own_folder(run_dir, out, label)
+    check_writable_dir(out, label, OUT_FIX)
     model, cfg = model_from_run(run_dir, step=step)
     export_family({**dataclasses.asdict(model.config), "name": cfg.model.get("name")})  # one line if none fits
     tensors = to_hf_state_dict(model, DTYPES[dtype])
     # the GPT-2 ranks are read before anything is written: without them, one line and no half folder
     tokenizer_files = hf_tokenizer_files(model.config.block_size)
+    config_text = json.dumps(hf_config(model, dtype), indent=2) + "\n"
+    # every byte the export writes is known now: a disk without room for them is one line, not a
+    # half-written weights file
+    check_room(out, [sum(t.numel() * t.element_size() + SAFETENSORS_ENTRY_BYTES for t in tensors.values()),
+                     len(config_text.encode()), *(len(text.encode()) for text in tokenizer_files.values())],
+               f"the export ({len(tensors)} {dtype} tensors, config and tokenizer)", OUT_FIX)
     tmp = out / "model.safetensors.tmp"
-    # the disk filling up while the weights are written: one line, and no half-written files left
+    # the disk filling up while the weights are written (another writer): one line, and no
+    # half-written files left
     with write_errors_as_user_errors(out, OUT_FIX):
         try:
             out.mkdir(parents=True, exist_ok=True)
             _save_safetensors(safetensors.torch.save_file, safetensors.SafetensorError, tensors, tmp)
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o666 & ~umask)
+            mode = new_file_mode()
+            tmp.chmod(mode)
             tmp.replace(out / WEIGHTS_FILE)
-            write_atomic(out / "config.json", json.dumps(hf_config(model, dtype), indent=2) + "\n",
-                         mode=0o666 & ~umask)
-            write_hf_tokenizer(out, tokenizer_files, mode=0o666 & ~umask)
+            write_atomic(out / "config.json", config_text, mode=mode)
+            write_hf_tokenizer(out, tokenizer_files, mode=mode)
         finally:
             tmp.unlink(missing_ok=True)
     return out
+
+
+def check_own_folder(run_dir: Path, out: Path, label: str) -> None:
+    """The export gets a folder of its own: not the run directory (its files would mix with the
+    run's, config.json beside resolved_config.json) and not inside a checkpoint, where only a save
+    writes."""
+    checkpoint = enclosing_checkpoint(out)
+    if checkpoint is not None:
+        raise UserError(f"{label} is in the checkpoint folder {checkpoint}, where only a save writes; "
+                        f"{OUT_FIX} outside it")
+    if out.exists() and run_dir.is_dir() and out.resolve() == run_dir.resolve():
+        raise UserError(f"{label} is the run directory itself; {OUT_FIX} (e.g. {run_dir / 'export'})")
 
 
 def _save_safetensors(save_file, error_type, tensors: dict, path: Path) -> None:
@@ -89,14 +113,15 @@ def cmd_export(argv: list[str]) -> None:
     parser = ArgParser(prog="dtrain export", description=__doc__)
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory (its newest checkpoint) or a checkpoint folder")
-    parser.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/export)")
+    parser.add_argument("--out", metavar="DIR", type=folder_to_write,
+                        help="output folder (default: RUN_DIR/export)")
     parser.add_argument("--step", metavar="N", type=non_negative_int,
                         help="the checkpoint at this step (default: newest)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="weights dtype (default float32)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).expanduser()
-    out = Path(args.out).expanduser() if args.out else run_dir / "export"
+    out = args.out or run_dir / "export"
     label = f"--out {out}" if args.out else f"the default output folder {out} (RUN_DIR/export)"
     export(run_dir, out, args.step, args.dtype, out_label=label)
     print(f"exported {run_dir} -> {out} (model.safetensors, config.json, generation_config.json and the "

@@ -17,13 +17,16 @@ matplotlib is an optional extra: pip install 'dtrain[plot]'.
 
 from __future__ import annotations
 
+import io
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.args import ArgParser
+from trainer.args import ArgParser, folder_to_write
+from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.errors import UserError
+from trainer.io import new_file_mode, write_atomic
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.results import (
     STATUS_FILE,
@@ -38,7 +41,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
-from trainer.writable import not_a_folder
+from trainer.writable import check_room, check_writable_dir, not_a_folder, write_errors_as_user_errors
 
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
@@ -63,7 +66,7 @@ def parse_args(argv: list[str]) -> tuple[list[Path], Path | None]:
     parser = ArgParser(prog="dtrain report", description=__doc__)
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="a run directory, or a sweep directory whose subfolders are runs")
-    parser.add_argument("--out", "-o", type=Path, metavar="DIR",
+    parser.add_argument("--out", "-o", type=folder_to_write, metavar="DIR",
                         help="where the PNG files go (default: the single PATH)")
     args = parser.parse_args(argv)
     if not args.paths:
@@ -136,6 +139,7 @@ class Plotter:
 
         self.plt, self.formatter = plt, EngFormatter(sep="")
         self.runs, self.out = runs, out
+        self.rendered: dict[str, bytes] = {}  # file name -> PNG
         self.colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
         self.shared = "common overrides: " + " ".join(shared) if shared else ""
 
@@ -153,13 +157,16 @@ class Plotter:
         return fig, list(axes[0])
 
     def _save(self, fig, name: str, axes) -> Path:
+        """Render the figure into memory (self.rendered): the files are written together once every
+        one is drawn and known to fit."""
         handles, names = axes[0].get_legend_handles_labels()
         if handles and (len(self.runs) > 1 or len(set(names)) > 1):
             axes[0].legend(fontsize=8, loc="best")
-        path = self.out / name
-        fig.savefig(path, dpi=DPI)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=DPI)
         self.plt.close(fig)
-        return path
+        self.rendered[name] = png.getvalue()
+        return self.out / name
 
     def _line(self, ax, i: int, run: RunData, rows: list[dict], key: str, smooth: bool = False, **kw) -> bool:
         rows = [r for r in rows if finite_or_none(r.get(key)) is not None]
@@ -208,8 +215,7 @@ def cmd_report(argv: list[str]) -> None:
     run_dirs: list[Path] = []
     for path in paths:
         run_dirs += find_runs(path)
-    out = out or paths[0]
-    out.mkdir(parents=True, exist_ok=True)
+    out, fix = check_figures_folder(out, paths[0])
     names = [d.name if len(paths) == 1 and d != paths[0] else f"{d.parent.name}/{d.name}" for d in run_dirs]
     runs = [load_run(d, n) for d, n in zip(run_dirs, names)]
     run_labels, shared = labels([r.overrides for r in runs], names)
@@ -240,4 +246,25 @@ def cmd_report(argv: list[str]) -> None:
     if any(r.hellaswag for r in plotted):
         files.append(plot.simple("hellaswag_acc_norm", "HellaSwag accuracy (acc_norm)", "acc_norm",
                                  "hellaswag.png", lambda r: r.hellaswag, marker="o", markersize=3))
+    check_room(out, [len(png) for png in plot.rendered.values()], "the figures", fix)
+    with write_errors_as_user_errors(out, fix):
+        out.mkdir(parents=True, exist_ok=True)
+        mode = new_file_mode()
+        for name, png in plot.rendered.items():
+            write_atomic(out / name, png, mode=mode)
     console.print("figures: " + "  ".join(str(f) for f in files), highlight=False, soft_wrap=True)
+
+
+def check_figures_folder(out: Path | None, path: Path) -> tuple[Path, str]:
+    """(the folder the figures go to: --out, else the one PATH; the advice for choosing another),
+    refused before anything is read when it cannot take them: a file, a read-only or full disk, or
+    a checkpoint folder (only a save writes there)."""
+    if out is None:
+        out, what, fix = path, f"{path} (where the figures go without --out)", "write them elsewhere with --out DIR"
+    else:
+        what, fix = f"--out {out}", "choose another --out DIR"
+    checkpoint = enclosing_checkpoint(out)
+    if checkpoint is not None:
+        raise UserError(f"{what} is in the checkpoint folder {checkpoint}, where only a save writes; {fix}")
+    check_writable_dir(out, what, fix)
+    return out, fix

@@ -1,31 +1,42 @@
-"""`dtrain train [overrides]`: one run, a sweep (`-m`), or Hydra's --cfg / --help.
+"""`dtrain train [overrides]`: one run, a sweep (`-m`), or Hydra's --cfg / --info / --help.
 
-A single run composes its config once, checks everything (config, run directory, data, tokenizer,
-the mode's worker count) and only then lets Hydra's own `run_job` make the run directory and its
-`.hydra/` record and call `train_job`. A sweep checks every point the same way first, then runs
-through `hydra.main` (its sweeper and launcher plugins); `trainer.sweep` keeps each point's status.
+Everything goes through Hydra's public entry point, `hydra.main`, so Hydra's own flags
+(--config-dir, --config-path, --config-name, hydra.searchpath) mean what they mean in any Hydra app.
+Before it runs, the same flags and overrides are composed with Hydra's public compose API and every
+check passes (config, run directory, data, tokenizer, the mode's worker count): only then does
+`hydra.main` make the run directory, its `.hydra/` record and dtrain.log, and call `train_job`. A
+sweep checks every point the same way first; `trainer.sweep` keeps each point's status.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import shlex
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import hydra
-from hydra._internal.callbacks import Callbacks
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus, run_job
-from hydra.types import HydraContext, RunMode
+from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
-from trainer.compose import CONFIG_NAME, anchor_paths, compose, compose_run, is_informational, split_args, sweep_points
-from trainer.config import CONF_DIR, register_configs, requested_world, to_dict
-from trainer.env import is_secondary_rank, under_torchrun
+from trainer.compose import (
+    anchor_paths,
+    compose,
+    config_source,
+    env_flag,
+    hydra_args,
+    is_informational,
+    register_hydra,
+    split_args,
+    sweep_points,
+)
+from trainer.config import requested_world, to_dict
+from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
@@ -39,58 +50,100 @@ SECONDARY_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disab
 
 
 def cmd_train(args: list[str]) -> None:
-    if is_informational(args):
-        _hydra_main(args)  # Hydra prints the help or the config; nothing runs
-        return
+    source = config_source(args)
     with plugin_hint():
         overrides, multirun = split_args(args)
-        if multirun:
-            _sweep(args, overrides)
+        if is_informational(args):
+            if not any(a in ("--help", "-h", "--hydra-help") for a in args):
+                compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page
+            _hydra_main(args)  # Hydra prints the help, the info or the config; nothing runs
+        elif multirun:
+            _sweep(args, overrides, source)
         else:
-            _single_run(overrides)
+            _single_run(args, overrides, source)
 
 
-def _single_run(overrides: list[str]) -> None:
+def _single_run(args: list[str], overrides: list[str], source) -> None:
     if is_secondary_rank():
-        overrides = [*overrides, f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
-    hydra_app, cfg = compose_run(overrides)
+        extra = [f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
+        overrides, args = [*overrides, *extra], [*args, *extra]
+    cfg = compose(overrides, return_hydra_config=True, source=source)
+    anchor_paths(cfg)
     job_cfg = _without_hydra(cfg)
     run_dir = folder_setting("hydra.run.dir", cfg.hydra.run.dir)
+    # hydra.main composes again: the folder is pinned, so a `${now:}` in it cannot tick in between
+    args = _pinned(args, "hydra.run.dir", str(run_dir))
     if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
         validate(job_cfg)
-        _raise_failure(_start_job(hydra_app, cfg))
+        run_app(args)
         return
     world = requested_world(job_cfg)
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
-        if check_run(job_cfg, run_dir, world, lock) is RunDirState.FINISHED:
+        state = check_run(job_cfg, run_dir, world, lock)
+        if state is RunDirState.FINISHED:
             Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
             return
-        check_launch(job_cfg, world)
-        # A full disk or a refused write while Hydra sets the run up is one line, and what it made
-        # is removed again; the run's own errors come back in the job's return value.
-        with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
-            lock.claim()
-            job = _start_job(hydra_app, cfg)
-        _raise_failure(job)
+        check_launch(job_cfg, world, run_dir)
+        _announce(state, run_dir)
+        # The command that continues this run, for the line a stop signal prints (workers inherit it).
+        with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
+            # A full disk or a refused write while Hydra sets the run up is one line, and what it
+            # made is removed again.
+            with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
+                lock.claim()
+                run_app(args)
 
 
-def _start_job(hydra_app, cfg) -> JobReturn:
-    """Hydra's own run_job: makes the run directory, writes .hydra/ and dtrain.log, calls train_job."""
-    context = HydraContext(config_loader=hydra_app.config_loader, callbacks=Callbacks(cfg))
-    return run_job(task_function=train_job, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                   hydra_context=context)
+def _announce(state: RunDirState, run_dir: Path) -> None:
+    if state is RunDirState.CONTINUE:
+        Console(stderr=True).print(f"dtrain: continuing the run in {run_dir} (hydra.run.dir=ANOTHER_DIR "
+                                   "starts afresh)", highlight=False, soft_wrap=True)
 
 
-def _raise_failure(job: JobReturn) -> None:
-    """Raise the exception the run ended with, as it is (Hydra's own `job.return_value` would
-    first write 'Error executing job with overrides: [...]' above the one `error:` line)."""
-    if job.status == JobStatus.FAILED:
-        raise job._return_value
+def continue_command(args: list[str], overrides: list[str], run_dir: Path) -> str:
+    """`dtrain train ...` as typed, with the run directory named where the command did not name
+    it and its default would not find it again (a folder of the user's with `${now:}` in it)."""
+    typed = [a for a in args if not a.startswith("hydra.run.dir=")]
+    if any(o.startswith("hydra.run.dir=") for o in overrides):
+        typed.append(f"hydra.run.dir={run_dir}")
+    return shlex.join(["dtrain", "train", *typed])
 
 
-def _sweep(args: list[str], overrides: list[str]) -> None:
+def _pinned(args: list[str], key: str, value: str) -> list[str]:
+    """args with `key=value` in place of any value given (beside the other overrides: Hydra's
+    argparse takes them as one run of positionals)."""
+    quoted = value.replace("'", "\\'")
+    kept = [a for a in args if not a.startswith(f"{key}=")]
+    overrides, _ = split_args(kept)
+    at = kept.index(overrides[0]) if overrides else len(kept)
+    return [*kept[:at], f"{key}='{quoted}'", *kept[at:]]
+
+
+def run_app(args: list[str], job=None):
+    """Hydra's own entry point on args: it makes the run directory, writes .hydra/ and dtrain.log
+    and calls train_job. The run's exception is raised here as it is, not printed by Hydra with
+    'Error executing job with overrides' above the one `error:` line; an error of Hydra's own (a
+    write it could not make) comes through whole for write_errors_as_user_errors
+    (HYDRA_FULL_ERROR: Hydra's documented switch to raise instead of print)."""
+    outcome: list = []  # what `job` (train_job by default) returned, or the exception it raised
+    job = job or train_job
+
+    def task(cfg) -> None:
+        try:
+            outcome.append(job(cfg))
+        except BaseException as err:  # Stopped and KeyboardInterrupt too: they end the command
+            outcome.append(err)
+
+    with env_flag("HYDRA_FULL_ERROR", "1"):
+        _hydra_main(args, task)
+    if outcome and isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0] if outcome else None
+
+
+def _sweep(args: list[str], overrides: list[str], source) -> None:
     for point in sweep_points(overrides):
-        cfg = compose(point)
+        cfg = compose(point, source=source)
         validate(cfg)
         check_data(cfg, requested_world(cfg), prepare_now=False)  # before the sweep folder, which Hydra makes
         check_launch(cfg, requested_world(cfg))
@@ -102,10 +155,14 @@ def _sweep(args: list[str], overrides: list[str]) -> None:
             finish_sweep(sweep_dir)
 
 
-def _hydra_main(args: list[str]) -> None:
-    register_configs()
+def _hydra_main(args: list[str], task=None) -> None:
+    """hydra.main over args (`--config-path` in args wins over dtrain's conf/, as in any Hydra app)."""
+    register_hydra()
+    args = hydra_args(args)
     sys.argv = ["dtrain", *args]
-    hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")(train_job)()
+    source = config_source(args)
+    hydra.main(config_path=str(source.config_path), config_name=source.config_name,
+               version_base="1.3")(task or train_job)()
 
 
 def _without_hydra(cfg):
@@ -122,20 +179,20 @@ def _scratch_dir() -> str:
     return scratch
 
 
-def check_launch(cfg, world: int) -> None:
-    """The checks that need torch (mode, device, resume's model, tracker credentials), still before
-    anything is written."""
+def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
+    """The checks that need torch (mode, device, resume's model, tracker credentials, room for a
+    fresh run's first checkpoint in `run_dir`), still before anything is written."""
     # trainer.launch_checks imports torch: only once the checks that need no torch have passed
     from trainer.launch_checks import check_launch as check_with_torch
 
-    check_with_torch(cfg, world)
+    check_with_torch(cfg, world, run_dir)
 
 
 def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    anchor_paths(cfg)  # a sweep point is composed by Hydra's launcher, not by compose_run
+    anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
     if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
         return run_point(cfg, hydra_cfg, lambda: run_training(cfg, run_dir, checked=False))
     return run_training(cfg, run_dir, checked=True)["best_val_loss"]

@@ -1,0 +1,84 @@
+"""The run's log file, `dtrain.log` in its run directory, written through Python's `logging`.
+
+Hydra's job logging (conf/hydra/job_logging/dtrain.yaml) gives the process that runs the job a
+file handler on the root logger; rank 0 of a one-process run trains in that process, so its records
+reach the file through that handler. Workers that dtrain's launcher starts are other processes:
+the launcher passes the file's path in their environment and rank 0 appends there with a handler
+of its own, added only where no handler of its process writes that file already (so no line is
+written twice). `hydra/job_logging=disabled` leaves no file handler, and then no worker writes one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+LOG = logging.getLogger("dtrain")
+# Set by dtrain's launcher for its workers: the driver's job log file (absent: none to write to).
+JOB_LOG_ENV = "DTRAIN_JOB_LOG"
+# Set by dtrain's launcher for its workers: ranks other than 0 print their own step lines, which
+# go to their log files under <run dir>/logs (plain torchrun's ranks share one terminal: they don't).
+RANK_LINES_ENV = "DTRAIN_RANK_LINES"
+# conf/hydra/job_logging/dtrain.yaml's format, for the records a worker appends to the same file.
+JOB_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+def job_log_path() -> str | None:
+    """The file this process's job logging writes (Hydra's handler on the root logger), if any."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def worker_environment() -> dict[str, str]:
+    """What the launcher tells its workers about logging (see the module docstring)."""
+    env = {RANK_LINES_ENV: "1"}
+    path = job_log_path()
+    if path is not None:
+        env[JOB_LOG_ENV] = path
+    return env
+
+
+def rank_lines_wanted() -> bool:
+    return os.environ.get(RANK_LINES_ENV) == "1"
+
+
+def _already_written(path: str) -> bool:
+    """Whether a record of LOG reaches a handler that writes `path` (through propagation)."""
+    logger: logging.Logger | None = LOG
+    while logger is not None:
+        if any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+@contextmanager
+def job_log(main: bool) -> Iterator[None]:
+    """While training: rank 0 in a worker of dtrain's launcher appends LOG's records to the
+    driver's job log. Elsewhere (the job's own process, other ranks) it adds nothing."""
+    path = os.environ.get(JOB_LOG_ENV)
+    handler = None
+    level = LOG.level
+    if main and path and not _already_written(os.path.abspath(path)):
+        handler = logging.FileHandler(path, encoding="utf-8")  # append: the driver's handler has it open too
+        handler.setFormatter(logging.Formatter(JOB_LOG_FORMAT))
+        LOG.addHandler(handler)
+        LOG.setLevel(logging.INFO)  # a spawned worker's root logger is at WARNING
+    try:
+        yield
+    finally:
+        if handler is not None:
+            LOG.removeHandler(handler)
+            LOG.setLevel(level)
+            handler.close()
+
+
+def say(message: str) -> None:
+    """A notice from rank 0 ("dtrain: ..." on stderr), also kept in the job log."""
+    print(f"dtrain: {message}", file=sys.stderr, flush=True)
+    LOG.info(message)

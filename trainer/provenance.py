@@ -1,0 +1,65 @@
+"""What produced a run's figures, for its summary (metrics.jsonl, the sweep table, `dtrain report`):
+dtrain's version and, when it runs from a git checkout, the commit (`-dirty` with local changes);
+torch's version; the device's name and how many the job used; the world size. A table of results
+then says what made each row."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from trainer.runtime import Runtime
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent
+
+
+def what_ran(rt: Runtime) -> dict:
+    """{"dtrain", "git", "torch", "device", "device_count", "world"} for this job (rank 0 calls it
+    once, at the end of the run)."""
+    if rt.device.type == "cuda":
+        device, count = torch.cuda.get_device_name(rt.device), rt.world
+    else:
+        device, count = _cpu_name(), rt.world  # one CPU process per rank
+    return {"dtrain": _installed("dtrain"), "git": git_commit(SOURCE_DIR), "torch": torch.__version__,
+            "device": device, "device_count": count, "world": rt.world}
+
+
+def describe(ran: dict) -> str:
+    """One line for the summary table: `dtrain 0.1.0 (31b7991) | torch 2.13.0 | 2 x Intel Xeon | world 2`."""
+    commit = f" ({ran['git']})" if ran.get("git") else ""
+    return (f"dtrain {ran.get('dtrain')}{commit} | torch {ran.get('torch')} | "
+            f"{ran.get('device_count')} x {ran.get('device')} | world {ran.get('world')}")
+
+
+def git_commit(folder: Path) -> str | None:
+    """The checkout's commit (`git describe --always --dirty`), or None outside a checkout or
+    without git (an installed wheel)."""
+    if not (folder / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "describe", "--always", "--dirty", "--abbrev=12"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def _installed(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
