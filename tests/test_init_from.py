@@ -3,6 +3,9 @@ folder (trainer/checkpoint/init_source.py checks it, init_from.py loads it, hf.p
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,6 +214,52 @@ def test_source_checks(hf_folder, tmp_path):
     recipe = run_dtrain(["train", "experiment=finetune_shakespeare", f"hydra.run.dir={tmp_path / 'ft'}"])
     assert recipe.returncode == 2 and recipe.stderr.strip().count("\n") == 0, recipe.stderr
     assert "pass model.init_from=PATH" in recipe.stderr and not (tmp_path / "ft").exists()
+
+
+
+def test_a_truncated_or_malformed_safetensors_source_is_one_line_and_writes_nothing(hf_folder, data_dir, tmp_path):
+    """A partial download or copy of model.safetensors (cut in its data or in its header), or a
+    header whose offsets do not fit, is refused from the header and the file's size, before anything
+    is written: not a traceback from the safetensors reader in a worker."""
+    source = tmp_path / "cut"
+    shutil.copytree(hf_folder, source)
+    weights = source / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:100_000])
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(tiny_args(data_dir, run_dir, f"model.init_from={source}"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: model.init_from={source}: {weights} is truncated"), lines
+    assert f"holds 100,000 bytes, its header promises {len(whole):,}" in lines[0] and "again" in lines[0]
+    assert not run_dir.exists()
+    tiny = compose(["model=tiny"]).model
+    (length,) = struct.unpack("<Q", whole[:8])
+    header = json.loads(whole[8:8 + length])
+    name = next(k for k in header if k != "__metadata__")
+
+    def with_header(edit) -> bytes:
+        changed = json.loads(whole[8:8 + length])
+        edit(changed[name])
+        text = json.dumps(changed).encode()
+        return struct.pack("<Q", len(text)) + text + whole[8 + length:]
+
+    begin, end = header[name]["data_offsets"]
+    broken = {
+        "cut in the header": (whole[:8 + length // 2], "truncated"),
+        "cut in the length": (whole[:5], "not a readable safetensors file"),
+        "longer than promised": (whole + b"\0" * 8, "longer than its header says"),
+        "offsets of another size": (with_header(lambda e: e.update(data_offsets=[begin, end + 4])), "data_offsets"),
+        "an unknown dtype": (with_header(lambda e: e.update(dtype="F33")), "dtype 'F33'"),
+        "a shape of strings": (with_header(lambda e: e.update(shape=["64"])), "shape and data_offsets"),
+    }
+    for case, (data, needle) in broken.items():
+        weights.write_bytes(data)
+        with pytest.raises(UserError) as err:
+            check_init_source(str(source), tiny)
+        assert needle in str(err.value) and "\n" not in str(err.value), case
+    weights.write_bytes(whole)
+    assert check_init_source(str(source), tiny).kind == "hf"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from rich.markup import escape
 from trainer.checkpoint.init_from import start_from_weights
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
-from trainer.data.shards import open_split
+from trainer.data.shards import open_split, redo_command
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
@@ -108,6 +108,7 @@ class Run:
             self.rt.device,
             shuffle_shards=shuffle,
             what=f"{split} split of dataset {self.cfg.data.name!r}",
+            redo=redo_command(self.cfg.data),
         )
 
     # --- one optimizer step ----------------------------------------------------------------

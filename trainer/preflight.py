@@ -3,6 +3,7 @@ before anything is written to the run directory (and before torch is imported)."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from trainer.checkpoint.space import check_space_at_start
 from trainer.config import batch_plan, to_dict, tracker_names
 from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import dataset_dir
-from trainer.data.prepare import as_data_cfg, prepare
+from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.env import restart_count
@@ -39,21 +40,7 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     resumes = cfg.resume not in ("auto", "never") or has_checkpoint(run_dir)
     if cfg.model.init_from and not resumes:
         check_init_source(cfg.model.init_from, cfg.model)
-    if cfg.data.auto_prepare:
-        prepare(cfg.data)  # a quick no-op once prepared with the same settings
-    data_folder = dataset_dir(as_data_cfg(cfg.data))
-    if lock is not None and data_folder.is_dir():
-        lock.hold(hold_for_reading(data_folder))
-    plan = batch_plan(cfg, world)
-    train_tokens = sum(len(s) for s in open_split(cfg.data, "train"))
-    need = plan.total_batch_size + 1
-    if train_tokens < need:
-        raise DataError(
-            f"dataset {cfg.data.name!r} has {train_tokens:,} training tokens but one optimizer step needs "
-            f"{need:,} (micro_batch_size x seq_len x world {world} x accumulation); lower the batch or world"
-        )
-    if cfg.data.val_fraction > 0:
-        open_split(cfg.data, "val")
+    check_data(cfg, world, lock)
     check_same_data(cfg, run_dir, continued)  # the data and tokenizer it trained with
     if state is not RunDirState.FINISHED:
         check_space_at_start(run_dir, cfg.checkpoint.keep)
@@ -64,6 +51,88 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     for note in notes:
         _say(note)
     return state
+
+
+def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: bool = True) -> None:
+    """The data of a run, as far as it is known without its run directory: data.max_tokens keeps
+    enough for one step, the dataset is prepared (now, with data.auto_prepare), its manifest is
+    whole, and a shard of each split holds one step (the loader never lets a step span two shards).
+    `lock`: the run directory's, which then holds the dataset folder against a re-prepare for the
+    run's life. A sweep checks each point's before its sweep folder is made, without `prepare_now`:
+    a point that prepares its data when it starts has only its source checked, where that needs
+    no download."""
+    plan = batch_plan(cfg, world)
+    train_need = plan.total_batch_size + 1
+    # validation reads at least one micro batch per rank (trainer.loop's val loader)
+    val_need = plan.micro_batch_size * plan.seq_len * world + 1 if _validates(cfg) else 0
+    if cfg.data.auto_prepare:
+        _check_max_tokens(cfg.data, train_need, val_need)
+        if prepare_now:
+            prepare(cfg.data)  # a quick no-op once prepared with the same settings
+        elif not is_prepared(cfg.data):
+            check_source(cfg.data)
+            return
+    data_folder = dataset_dir(as_data_cfg(cfg.data))
+    if lock is not None and data_folder.is_dir():
+        lock.hold(hold_for_reading(data_folder))
+    train = open_split(cfg.data, "train")
+    train_tokens = sum(len(s) for s in train)
+    if train_tokens < train_need:
+        raise DataError(
+            f"dataset {cfg.data.name!r} has {train_tokens:,} training tokens but one optimizer step needs "
+            f"{train_need:,} (micro_batch_size x seq_len x world {world} x accumulation); lower the batch or world"
+        )
+    _check_largest_shard(cfg, "train", train, train_need, world,
+                         "lower the batch or world, or prepare with a larger data.shard_tokens")
+    if cfg.data.val_fraction > 0:
+        val = open_split(cfg.data, "val")
+        if val_need:
+            _check_largest_shard(cfg, "val", val, val_need, world, "raise data.val_fraction and prepare again, "
+                                 "set train.eval_batches=0 to train without validation, or lower the micro batch")
+
+
+def _validates(cfg) -> bool:
+    return cfg.data.val_fraction > 0 and cfg.train.eval_batches > 0
+
+
+def _check_largest_shard(cfg, split: str, shards, need: int, world: int, fix: str) -> None:
+    have = max((len(s) for s in shards), default=0)
+    if have < need:
+        per = "optimizer step" if split == "train" else "validation batch"
+        raise DataError(
+            f"the {split} split of dataset {cfg.data.name!r} holds at most {have:,} tokens per shard but one {per} "
+            f"needs {need:,} (micro_batch_size {cfg.train.micro_batch_size} x seq_len {cfg.train.seq_len} x world "
+            f"{world}{' x accumulation' if split == 'train' else ''}, +1); {fix}"
+        )
+
+
+def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
+    """data.max_tokens caps the dataset prepare writes: refused, naming the value that fits one
+    optimizer step and one validation batch, when it cannot (the stream is cut into splits as
+    prepare cuts it: round(total x val_fraction) tokens, at least one, go to validation)."""
+    cap = data_cfg.max_tokens
+    if cap is None:
+        return
+    fraction = data_cfg.val_fraction
+
+    def val_tokens(total: int) -> int:
+        n = max(1, round(total * fraction)) if fraction > 0 else 0
+        return min(n, total - 1)
+
+    def fits(total: int) -> bool:
+        return total - val_tokens(total) >= train_need and val_tokens(total) >= val_need
+
+    if fits(cap):
+        return
+    least = max(train_need + val_need, math.ceil(train_need / (1 - fraction)) - 1,
+                math.ceil((val_need - 0.5) / fraction) if fraction > 0 else 0)  # then a few steps to round's edge
+    while not fits(least):
+        least += 1
+    raise DataError(
+        f"data.max_tokens={cap} leaves {cap - val_tokens(cap):,} training and {val_tokens(cap):,} validation tokens, "
+        f"but one optimizer step needs {train_need:,}{f' and one validation batch {val_need:,}' if val_need else ''}; "
+        f"set data.max_tokens={least} or more (or null for all)"
+    )
 
 
 def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock,

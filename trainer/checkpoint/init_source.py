@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,13 +125,55 @@ def _hf_shape(folder: Path, label: str) -> dict:
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(the JSON header of a safetensors file, where its data starts): no tensor is read."""
+    """(the JSON header of a safetensors file, where its data starts), once the header is well formed
+    and the file holds exactly the bytes it promises (a partial download or copy fails here, not in
+    a worker): no tensor is read."""
+    fix = "download or export the model again"
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            return json.loads(f.read(length)), 8 + length
+            if 8 + length > size:
+                raise CheckpointError(f"{path} is truncated: it holds {size:,} bytes, fewer than its {length:,}-byte "
+                                      f"header; {fix}")
+            header = json.loads(f.read(length))
     except (OSError, ValueError, struct.error) as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({err})") from None
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err}); {fix}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file (its header is not an object); {fix}")
+    data_bytes = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _entry_problem(entry)
+        if problem:
+            raise CheckpointError(f"{path}: the header entry of tensor {name!r} {problem}; {fix}")
+        data_bytes = max(data_bytes, entry["data_offsets"][1])
+    promised = 8 + length + data_bytes
+    if size != promised:
+        state = "truncated" if size < promised else "longer than its header says"
+        raise CheckpointError(f"{path} is {state}: it holds {size:,} bytes, its header promises {promised:,}; {fix}")
+    return header, 8 + length
+
+
+# bytes per element of each safetensors dtype
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+
+
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one tensor's header entry (dtype, shape, data_offsets that agree)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        return f"has dtype {dtype!r}, not one of {', '.join(DTYPE_BYTES)}"
+    if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + offsets)):
+        return "has no whole-number shape and data_offsets [begin, end]"
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+        return f"has data_offsets {offsets} for {math.prod(shape):,} {dtype} values"
+    return None
 
 
 def hf_tensor_shapes(s: dict) -> dict[str, list[int]]:
@@ -167,7 +210,10 @@ def _expected_tensors(source: InitSource, keys) -> dict[str, list[int]]:
 
 def _check_hf_file(source: InitSource, bias: bool) -> None:
     """Every tensor there with its shape; with model.bias=false, every bias zero (the same function)."""
-    tensors = _headers(source.path)
+    try:
+        tensors = _headers(source.path)
+    except CheckpointError as err:
+        raise CheckpointError(f"model.init_from={source.spec}: {err}") from None
     nonzero, label = [], f"model.init_from={source.spec}: {source.path}"
     for name, shape in _expected_tensors(source, tensors.keys()).items():
         if name not in tensors:

@@ -37,7 +37,7 @@ from trainer.compose import (
 )
 from trainer.config import requested_world, to_dict
 from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
-from trainer.preflight import check_run, preflight, record_config
+from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
 from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
 from trainer.validation import validate
@@ -145,6 +145,7 @@ def _sweep(args: list[str], overrides: list[str], source) -> None:
     for point in sweep_points(overrides):
         cfg = compose(point, source=source)
         validate(cfg)
+        check_data(cfg, requested_world(cfg), prepare_now=False)  # before the sweep folder, which Hydra makes
         check_launch(cfg, requested_world(cfg))
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     try:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trainer.data.shards import out_of_vocabulary
+from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import DataError
 
 
@@ -29,12 +31,14 @@ class ShardLoader:
         device: torch.device,
         shuffle_shards: bool = True,
         what: str = "train split",
+        redo: str = "prepare the dataset again (`dtrain prepare ... --force`)",
     ):
         self.shards = shards
         self.B, self.T = micro_batch_size, seq_len
         self.rank, self.world, self.accum = rank, world, accum_steps
         self.seed, self.shuffle = seed, shuffle_shards
         self.device = device
+        self.vocab_size, self.what, self.redo = VOCAB_SIZE, what, redo
         self.chunk_tokens = micro_batch_size * seq_len
         self.chunks_per_step = world * accum_steps
         # Whole optimizer steps only, so a step never straddles two shards.
@@ -62,9 +66,16 @@ class ShardLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro batch: inputs and targets of shape (micro_batch_size, seq_len)."""
-        shard = self.shards[self._order[self.shard_pos]]
+        index = self._order[self.shard_pos]
+        shard = self.shards[index]
         start = (self.step_chunk + self.micro * self.world + self.rank) * self.chunk_tokens
-        tokens = torch.from_numpy(shard[start : start + self.chunk_tokens + 1].astype(np.int64))
+        ids = shard[start : start + self.chunk_tokens + 1]
+        # A shard not read up front (data.verify=size) may hold ids the embedding does not have: a
+        # max over the batch (microseconds) turns that into one line instead of an index error.
+        largest = int(ids.max())
+        if largest >= self.vocab_size:
+            raise DataError(self._out_of_vocabulary(index, largest))
+        tokens = torch.from_numpy(ids.astype(np.int64))
         if self._pin:
             tokens = tokens.pin_memory()
         tokens = tokens.to(self.device, non_blocking=True)
@@ -72,6 +83,10 @@ class ShardLoader:
         if self.micro == self.accum:
             self._advance_step()
         return tokens[:-1].view(self.B, self.T), tokens[1:].view(self.B, self.T)
+
+    def _out_of_vocabulary(self, index: int, token_id: int) -> str:
+        name = getattr(self.shards[index], "filename", None) or f"#{index} of the {self.what}"
+        return out_of_vocabulary(name, token_id, f"{self.redo} (data.verify=sha256 checks every id before training)")
 
     def _advance_step(self) -> None:
         self.micro = 0

@@ -44,24 +44,20 @@ from trainer.config import DataConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
+from trainer.data.manifest import (
+    SETTINGS_KEYS,
+    TOKENIZER,
+    describe_tokenizer,
+    format_problem,
+    schema_problem,
+    tokenizer_problem,
+)
 from trainer.data.shard_writer import StreamWriter, split_stream
 from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
 from trainer.data.tokenizer import EOT, VOCAB_SIZE
 from trainer.errors import DataError
 from trainer.io import sha256_file
 from trainer.writable import check_writable_dir, first_missing, write_errors_as_user_errors
-
-SETTINGS_KEYS = (
-    "source",
-    "sha256",
-    "val_fraction",
-    "shard_tokens",
-    "max_tokens",
-    "hf_path",
-    "hf_name",
-    "hf_split",
-)
-
 
 # ------------------------------------------------------------------------------------- config
 
@@ -82,6 +78,11 @@ def as_data_cfg(data_cfg) -> DictConfig:
     if str(values.get("dir", "")).startswith("${oc.env:DTRAIN_DATA_DIR"):  # outside Hydra: resolve here
         values["dir"] = str(default_data_dir())
     return OmegaConf.create(values)
+
+
+# The fewest tokens a dataset can hold: the end-of-text marker that opens the first document and
+# one token of its text (split into train and val when data.val_fraction > 0).
+MIN_TOKENS = 2
 
 
 def default_data_dir() -> Path:
@@ -117,14 +118,25 @@ def settings_of(cfg: DictConfig) -> dict:
 
 
 def load_manifest(path: Path) -> dict | None:
-    """The parsed manifest, or None when it is missing or unreadable."""
+    """The parsed manifest, or None when it is missing, unreadable or not as prepare writes it
+    (shards.read_manifest says which, in one line)."""
     try:
         m = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("splits"), dict):
+    if not isinstance(m, dict) or format_problem(m) or schema_problem(m):
         return None
     return m
+
+
+def refuse_foreign_tokenizer(cfg: DictConfig, path: Path, manifest: dict) -> None:
+    """DataError when the manifest records another tokenizer than the GPT-2 one dtrain trains with:
+    its ids would be read as GPT-2's."""
+    problem = tokenizer_problem(manifest)
+    if problem:
+        ours = describe_tokenizer(TOKENIZER, VOCAB_SIZE, EOT)
+        raise DataError(f"{path} records {problem}, but dtrain trains with {ours}; prepare the dataset again "
+                        f"with it: run `{prepare_command(cfg, force=True)}`")
 
 
 def _files_intact(root: Path, manifest: dict) -> bool:
@@ -144,12 +156,25 @@ def is_prepared(data_cfg) -> bool:
 def _up_to_date(cfg: DictConfig) -> bool:
     root = dataset_dir(cfg)
     m = load_manifest(root / MANIFEST)
-    if m is None or m.get("settings") != settings_of(cfg):
+    if m is None or m["settings"] != settings_of(cfg) or tokenizer_problem(m):
         return False
-    try:
-        return _files_intact(root, m)
-    except (KeyError, TypeError):
-        return False
+    return _files_intact(root, m)
+
+
+def _keep_foreign(cfg: DictConfig) -> None:
+    existing = load_manifest(dataset_dir(cfg) / MANIFEST)
+    if existing is not None:
+        refuse_foreign_tokenizer(cfg, dataset_dir(cfg) / MANIFEST, existing)
+
+
+def check_source(data_cfg) -> None:
+    """What preparing (without --force) would refuse, as far as that needs no download: a dataset
+    of another tokenizer in the way, an unknown dataset, a data.source without text (a sweep checks
+    each point's so before any point prepares)."""
+    cfg = as_data_cfg(data_cfg)
+    _keep_foreign(cfg)
+    if not sources.downloads(cfg):
+        sources.open_source(cfg)
 
 
 def _num_proc(cfg: DictConfig) -> int:
@@ -222,14 +247,18 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
     """
     cfg = as_data_cfg(data_cfg)
     root = dataset_dir(cfg)
+    if not force:  # another tokenizer's dataset is not overwritten unasked
+        _keep_foreign(cfg)
     if not force and _up_to_date(cfg):
         return root / MANIFEST
     if cfg.shard_tokens < 1:
         raise DataError(f"data.shard_tokens={cfg.shard_tokens} must be at least 1")
     if not 0 <= cfg.val_fraction < 1:
         raise DataError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
-    if cfg.max_tokens is not None and cfg.max_tokens < 1:
-        raise DataError(f"data.max_tokens={cfg.max_tokens} must be at least 1 (or null for all)")
+    if cfg.max_tokens is not None and cfg.max_tokens < MIN_TOKENS:
+        raise DataError(f"data.max_tokens={cfg.max_tokens} keeps no text (the stream opens with the end-of-text "
+                        f"marker before the first document); set data.max_tokens={MIN_TOKENS} or more (one "
+                        "training step needs micro_batch_size x seq_len x world x accumulation + 1), or null for all")
     check_writable_dir(root, f"data.dir={cfg.dir}", "set data.dir to a writable folder")
     made = first_missing(root)  # removed again when this prepare fails: a failure leaves nothing
     try:
@@ -279,6 +308,10 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
     writer.close()
     total = writer.total
     if total == documents:  # nothing but the end-of-text token before each (empty) document
+        if max_tokens is not None and total >= max_tokens:
+            raise DataError(f"data.max_tokens={max_tokens} keeps only the end-of-text markers of {documents} "
+                            f"empty document(s) at the start of {source.description}; raise data.max_tokens (or null "
+                            "for all)")
         raise DataError(f"dataset {cfg.name!r} has no text (source {source.description}: {documents} empty "
                         "document(s)); check data.source")
     n_val = int(round(total * cfg.val_fraction))
@@ -293,7 +326,7 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
     return {
         "format": FORMAT,
         "dataset": cfg.name,
-        "tokenizer": "gpt2",
+        "tokenizer": TOKENIZER,
         "dtype": "uint16",
         "eot": EOT,
         "vocab_size": VOCAB_SIZE,

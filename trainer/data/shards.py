@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 from omegaconf import DictConfig
 
-from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
-from trainer.data.prepare import as_data_cfg, prepare_command
+from trainer.data.layout import DTYPE, MANIFEST, dataset_dir
+from trainer.data.manifest import format_problem, schema_problem
+from trainer.data.prepare import as_data_cfg, prepare_command, refuse_foreign_tokenizer
+from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import DataError
-from trainer.io import sha256_file
 from trainer.writable import nearest_existing
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
+READ_BYTES = 1 << 22  # even: a block holds whole uint16 ids (a shard's size is checked first)
 
 
 def read_manifest(data_cfg) -> dict:
@@ -38,43 +41,47 @@ def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
         raise DataError(
             f"{path} is unreadable ({type(e).__name__}); run `{prepare_command(cfg, True)}`"
         ) from e
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
+    if not isinstance(manifest, dict):
         raise DataError(f"{path} is not a dtrain manifest; run `{prepare_command(cfg, True)}`")
-    if manifest.get("format") != FORMAT or manifest.get("dtype") != "uint16":
-        raise DataError(
-            f"{path} has format {manifest.get('format')!r} / dtype {manifest.get('dtype')!r}, this dtrain "
-            f"reads format {FORMAT} / uint16; run `{prepare_command(cfg, True)}`"
-        )
+    problem = format_problem(manifest)
+    if problem:
+        raise DataError(f"{path} has {problem}; run `{prepare_command(cfg, True)}`")
+    problem = schema_problem(manifest)
+    if problem:
+        raise DataError(f"{path} is not a manifest as dtrain prepare writes it: {problem}; "
+                        f"run `{prepare_command(cfg, True)}`")
+    refuse_foreign_tokenizer(cfg, path, manifest)
     return manifest
 
 
 def open_split(data_cfg, split: str) -> list[np.memmap]:
     """The shards of ``split`` ("train" or "val") as read-only uint16 memmaps, in order.
 
-    Every shard's size is checked; sha256 too when ``data.verify`` is "sha256", or "auto" and
-    the split is under 1 GiB. Any mismatch raises DataError naming the file and the fix.
+    Every shard's size is checked; its sha256 and its ids (all within GPT-2's vocabulary) too when
+    ``data.verify`` is "sha256", or "auto" and the split is under 1 GiB (otherwise the loader checks
+    the ids of each batch it reads). Any mismatch raises DataError naming the file and the fix.
     """
     cfg = as_data_cfg(data_cfg)
     if cfg.verify not in VERIFY_MODES:
         raise DataError(f"data.verify={cfg.verify!r} is unknown; choose one of {', '.join(VERIFY_MODES)}")
     root = dataset_dir(cfg)
     manifest = _checked_manifest(cfg, root)
-    redo = f"run `{prepare_command(cfg, force=True)}`"
+    redo = redo_command(cfg)
     entries = manifest["splits"].get(split)
     if entries is None:
         raise DataError(
             f"dataset {cfg.name!r} in {root} has no {split!r} split (it has "
             f"{', '.join(manifest['splits']) or 'none'}); use train or val, or {redo}"
         )
-    if not entries or sum(int(e.get("tokens", 0)) for e in entries) == 0:
+    if not entries or sum(e["tokens"] for e in entries) == 0:
         hint = "set data.val_fraction > 0 and " if split == "val" else ""
         raise DataError(f"the {split} split of dataset {cfg.name!r} in {root} is empty; {hint}{redo}")
-    total_bytes = sum(int(e["tokens"]) for e in entries) * DTYPE.itemsize
+    total_bytes = sum(e["tokens"] for e in entries) * DTYPE.itemsize
     check_hash = cfg.verify == "sha256" or (cfg.verify == "auto" and total_bytes < AUTO_SHA256_LIMIT)
     maps = []
     for e in entries:
         path = root / e["file"]
-        expected = int(e["tokens"]) * DTYPE.itemsize
+        expected = e["tokens"] * DTYPE.itemsize
         if not path.is_file():
             raise DataError(f"shard {path} is missing; {redo}")
         size = path.stat().st_size
@@ -83,8 +90,32 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
                 f"shard {path} has size {size} bytes, the manifest says {expected} "
                 f"({e['tokens']} tokens); {redo}"
             )
-        if check_hash and e.get("sha256") and sha256_file(path) != e["sha256"]:
-            raise DataError(f"shard {path} fails its sha256 check (corrupted or modified); {redo}")
+        if check_hash:
+            digest, largest = _digest_and_largest_id(path)
+            if digest != e["sha256"]:
+                raise DataError(f"shard {path} fails its sha256 check (corrupted or modified); {redo}")
+            if largest >= VOCAB_SIZE:
+                raise DataError(out_of_vocabulary(path, largest, redo))
         maps.append(np.memmap(path, dtype=DTYPE, mode="r"))
     return maps
 
+
+def redo_command(data_cfg) -> str:
+    """The fix for a damaged dataset, as messages end: run `dtrain prepare ... --force`."""
+    return f"run `{prepare_command(as_data_cfg(data_cfg), force=True)}`"
+
+
+def out_of_vocabulary(path, token_id: int, redo: str) -> str:
+    """The message for a shard holding an id the tokenizer (and so the model) does not have."""
+    return (f"shard {path} holds token id {token_id:,}, beyond the GPT-2 tokenizer's {VOCAB_SIZE:,} ids (the "
+            f"dataset was not prepared by this dtrain or is damaged); {redo}")
+
+
+def _digest_and_largest_id(path: Path) -> tuple[str, int]:
+    """The shard's sha256 and its largest token id, in one read of the file."""
+    digest, largest = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            digest.update(block)
+            largest = max(largest, int(np.frombuffer(block, dtype=DTYPE).max()))
+    return digest.hexdigest(), largest

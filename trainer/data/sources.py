@@ -327,6 +327,13 @@ def fineweb_source(data_cfg) -> Source:
 # ------------------------------------------------------------------------------------- lookup
 
 
+def downloads(data_cfg) -> bool:
+    """Whether opening the source fetches it (a named dataset without data.source, or a URL)."""
+    if data_cfg.source:
+        return _is_url(data_cfg.source)
+    return data_cfg.name in DATASETS and data_cfg.name != "text"
+
+
 def open_source(data_cfg) -> Source:
     name = data_cfg.name
     if name == "shakespeare":
