@@ -68,6 +68,10 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)
         if prepare_now:
+            if not is_prepared(cfg.data):  # seconds to minutes of tokenizing: say so, not silence
+                Console(stderr=True).print(f"dtrain: preparing dataset {cfg.data.name!r} on first use "
+                                           f"(data.auto_prepare; `dtrain prepare` does it ahead)",
+                                           highlight=False, soft_wrap=True)
             prepare(cfg.data)  # a quick no-op once prepared with the same settings
         elif not is_prepared(cfg.data):
             check_source(cfg.data)

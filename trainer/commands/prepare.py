@@ -6,7 +6,7 @@ from rich.console import Console
 
 from trainer.args import ArgParser
 from trainer.compose import compose
-from trainer.data.prepare import prepare
+from trainer.data.prepare import is_prepared, prepare
 from trainer.validation import check_ranges
 
 
@@ -19,5 +19,10 @@ def cmd_prepare(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
     check_ranges(cfg, ("data",))  # e.g. data.shard_tokens=0 would never fill a shard
+    reused = not args.force and is_prepared(cfg.data)
     manifest = prepare(cfg.data, force=args.force)
-    Console().print(f"[green]prepared[/] {cfg.data.name}: {manifest}")
+    if reused:
+        Console().print(f"already prepared with these settings: {cfg.data.name}: {manifest} (--force prepares "
+                        "it again)", highlight=False, soft_wrap=True)
+    else:
+        Console().print(f"[green]prepared[/] {cfg.data.name}: {manifest}", soft_wrap=True)
