@@ -49,10 +49,11 @@ MLPS = ("gelu", "swiglu", "relu2")
 # "Overflow when unpacking long long" once training or sampling starts); numpy's take any.
 MAX_SEED = 2**64 - 1
 # Tokens one sample may generate (train.sample_tokens, `dtrain sample --tokens`). Past the block size
-# the KV cache is full and every new token re-reads the last block_size tokens without one, so the
-# cost grows with the length: 100,000 tokens (about 400 KB of text) is minutes for a small model on
-# a CPU, and 10**20 never ends. A longer text is several samples, each continuing the last.
-MAX_SAMPLE_TOKENS = 100_000
+# the KV cache is full and every new token runs the model over a whole window of block_size tokens
+# (trainer/model/decode.py): the tiny model made about 3 tokens a second there on a busy 2-core CPU,
+# so 10,000 tokens (about 40 KB of text, ten GPT-2 windows) is already up to an hour, and 10**20
+# never ends. A longer text is several samples, each continuing the last (--prompt).
+MAX_SAMPLE_TOKENS = 10_000
 
 
 def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None, multiple_of: int) -> int:
