@@ -223,3 +223,17 @@ def test_the_fit_check_never_asks_more_than_the_plan(optim):
             # Muon's hidden matrices keep one buffer where AdamW keeps two: the floor counts one for all
             assert (0.9 if optim == "adamw" else 0.7) * state <= floor <= state, (mode, world)
     assert host_memory() > 0
+
+
+@pytest.mark.slow  # a real two-worker run
+def test_a_run_at_the_bounds_trains(data_dir, tmp_path):
+    """The largest timeouts and seed run for real (past them torch overflows), and a job at the
+    largest monitor interval ends within it of its training's end."""
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(args_with(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=2",
+                                f"launch.timeout_s={UPPER_BOUNDS['launch.timeout_s'][0]}",
+                                f"launch.rdzv_timeout={UPPER_BOUNDS['launch.rdzv_timeout'][0]}",
+                                f"launch.monitor_interval={UPPER_BOUNDS['launch.monitor_interval'][0]}",
+                                f"train.seed={MAX_SEED}"), timeout=HANG)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (run_dir / "metrics.jsonl").is_file()
