@@ -66,6 +66,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def whole_number_in(low: int, high: int, why: str) -> Callable[[str], int]:
+    """A parser for whole numbers from `low` to `high`; `why` says why the bound is there."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (a whole number)") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r} (from {low} to {high}: {why})")
+        return value
+
+    return parse
+
+
 def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]:
     """A parser for values of `kind` (int, float) above 0."""
 

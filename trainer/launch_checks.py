@@ -6,6 +6,7 @@ so that a mistake they catch leaves nothing a later command would take for a run
     train.device=cuda[:N] with no CUDA device
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
+    a model whose weights, gradients and optimizer state cannot fit the device's (or RAM's) memory
     a fresh run directory on a disk without room for one checkpoint (its size needs the model)
 """
 
@@ -15,18 +16,21 @@ import inspect
 import os
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from trainer.checkpoint.space import check_space_for_first_checkpoint
 from trainer.checkpoint.verify import check_model_config, read_checkpoint_config
-from trainer.config import tracker_names
+from trainer.config import parameter_count, tracker_names
 from trainer.errors import UserError
 from trainer.io import one_line
-from trainer.memory import checkpoint_bytes
+from trainer.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
 from trainer.parallel import strategy_class
 from trainer.runtime import pick_device
 
+# What keeps the optimizer state, by optim.name (for the line of a model that does not fit).
+OPTIMIZER_STATE = {"adamw": "AdamW", "muon": "Muon and AdamW"}
 # WANDB_MODE values under which a W&B run needs no credentials.
 WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
 
@@ -35,7 +39,8 @@ def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
     """Every check of this module, in the order a user would fix them; raises UserError. `run_dir`:
     the run's directory (None: a sweep's points before its folders are known)."""
     check_mode(cfg, world)
-    pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
+    device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
+    check_model_fits(cfg, world, device)
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
         check_wandb_credentials()
@@ -51,6 +56,31 @@ def check_mode(cfg, world: int) -> None:
     advice = strategy.world_advice(world)
     if advice:
         Console(stderr=True).print(f"[yellow]{advice}[/]")
+
+
+def check_model_fits(cfg, world: int, device: torch.device) -> None:
+    """The model's weights, gradients and optimizer state fit one worker's memory: the device's, or
+    this machine's RAM shared by its workers. Here, not in the torch-free checks: a GPU's memory is
+    torch's to tell and the sharding is the mode's Strategy's, and `dtrain plan`, which runs those
+    checks too, still answers for a model that does not fit (it says so, mode by mode)."""
+    strategy = strategy_class(cfg.parallel.mode)
+    ranks = world if strategy.syncs_replicas else 1  # the other modes run one process
+    need = model_state_floor(cfg, strategy, ranks)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        budget, where = props.total_memory, f"the {props.name}'s memory"
+    else:
+        local = max(1, ranks // cfg.launch.nnodes)
+        budget, where = host_memory() // local, f"this machine's RAM{f' / {local} workers' if local > 1 else ''}"
+    if budget and need > budget:
+        shard = "" if strategy.shards_parameters else ", shard it over more workers (parallel=fsdp world=N)"
+        m, state = cfg.model, OPTIMIZER_STATE[cfg.optim.name]
+        raise UserError(
+            f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}: {parameter_count(m):,} parameters need "
+            f"{fmt_bytes(need)} per worker for fp32 weights, gradients and {state} state "
+            f"(parallel={cfg.parallel.mode}, world={ranks}), more than {where} ({fmt_bytes(budget)}); choose a "
+            f"smaller model (model.n_layer, model.n_embd){shard}; `dtrain plan` shows what fits"
+        )
 
 
 def check_resume_model(cfg) -> None:

@@ -53,16 +53,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import torch
 from omegaconf import OmegaConf
 
+from trainer.config import parameter_count
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
 from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
-from trainer.parallel.base import row_shard_numel
+from trainer.parallel.base import Strategy, row_shard_numel
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
 # Most specific names first.
@@ -116,10 +118,32 @@ def parse_size(text: str) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,.0f} B"
+
+
+def host_memory() -> int:
+    """This machine's RAM in bytes (/proc/meminfo's MemTotal; 0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
+def model_state_floor(cfg, strategy: type[Strategy], world: int) -> int:
+    """Bytes of fp32 weights, gradients and optimizer state that the busiest of `world` ranks holds
+    at least in `strategy`'s mode: estimate()'s params + grads + optim, from the parameter count
+    alone (an even split where the mode shards, AdamW's two moments a parameter, or Muon's one).
+    No model is built, not even on the meta device, whose first build imports torch._dynamo (a
+    second more at every run's start), and a model too large to build is answered too."""
+    count = parameter_count(cfg.model)
+    optim_per_param = 4 if cfg.optim.name == "muon" else 8  # Muon's hidden matrices keep one buffer
+    weights_and_grads = 2 * 4 * (math.ceil(count / world) if strategy.shards_parameters else count)
+    shards_state = strategy.shards_parameters or strategy.shards_optimizer_state
+    return weights_and_grads + optim_per_param * (math.ceil(count / world) if shards_state else count)
 
 
 # -------------------------------------------------------------------------------- estimation
@@ -185,16 +209,36 @@ class Estimate:
                 "step_peak": self.step_peak, "total": self.total}
 
 
-def _meta_model(model_cfg):
-    """The model on the meta device (shapes only), built once per architecture: `dtrain plan`
-    estimates every mode and searches micro batches on the same model (about 70 estimates)."""
-    return _meta_model_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)))
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    """What the estimate reads of a model: its parameters' shapes (the tied embedding once), those
+    of one block, and how the optimizer splits them (AdamW's two groups, Muon's matrices)."""
+
+    config: GPTConfig
+    params: tuple[torch.Size, ...]
+    block: tuple[torch.Size, ...]
+    adamw_groups: tuple[tuple[torch.Size, ...], ...]
+    muon: tuple[torch.Size, ...]
+
+
+def _shapes(model_cfg, optim_name: str) -> _Shapes:
+    """The model's shapes, read once per architecture and optimizer: `dtrain plan` estimates every
+    mode and searches micro batches on the same model (about 90 estimates), and walking a deep
+    model's parameters (through the config's OmegaConf nodes) each time took minutes."""
+    return _shapes_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)), optim_name)
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model_of(fields: tuple):
+def _shapes_of(fields: tuple, optim_name: str) -> _Shapes:
     with torch.device("meta"):
-        return GPT(GPTConfig(*fields))
+        model = GPT(GPTConfig(*fields))
+    muon, adamw = split_params(model, OmegaConf.create({"name": optim_name}))
+    groups = param_groups((p for _, p in adamw), 0.0)
+    blocks = model.transformer.h
+    return _Shapes(model.config, tuple(p.shape for p in model.parameters()),
+                   tuple(p.shape for p in blocks[0].parameters()) if len(blocks) else (),
+                   tuple(tuple(p.shape for p in group["params"]) for group in groups),
+                   tuple(p.shape for _, p in muon))
 
 
 def device_type_of(cfg) -> str:
@@ -215,9 +259,9 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         raise UserError(f"train.micro_batch_size={micro_batch} must be at least 1")
     m, t = cfg.model, cfg.train
     device_type = device_type or device_type_of(cfg)
-    model = _meta_model(m)
-    params = list(model.parameters())  # the tied embedding once
-    n_total = sum(p.numel() for p in params)
+    shapes = _shapes(m, cfg.optim.name)
+    params = shapes.params  # the tied embedding once
+    n_total = sum(math.prod(p) for p in params)
     fp32 = 4  # parameters, gradients and AdamW state stay fp32 (autocast computes in bf16)
     if t.dtype == "auto":
         act = 2 if device_type == "cuda" else 4
@@ -229,7 +273,7 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
 
     # --- activations of one micro batch ------------------------------------------------------
     L = m.n_layer
-    activations = _activation_bytes(model.config, t, device_type, act, micro_batch * t.seq_len)
+    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len)
     if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
         activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
@@ -237,23 +281,20 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
     # counter per tensor; with optim=muon the hidden matrices instead keep Muon's one momentum
     # buffer each (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
-    muon, adamw = split_params(model, cfg.optim)
-    groups = [[p.shape for p in group["params"]]
-              for group in param_groups((p for _, p in adamw), cfg.optim.weight_decay)]
-    held = strategy.optimizer_state_numels(groups, world)
+    held = strategy.optimizer_state_numels([list(group) for group in shapes.adamw_groups], world)
     o_b = 2 * sum(held) * fp32 + 4 * len(held)
     muon_buffers = 0
-    if muon:
-        kept, muon_buffers = strategy.muon_numels([p.shape for _, p in muon], world)
+    if shapes.muon:
+        kept, muon_buffers = strategy.muon_numels(list(shapes.muon), world)
         # Newton-Schulz's float32 temporaries: the update, its transpose, two Gram products.
-        largest_muon = max(p.numel() for _, p in muon)
-        muon_buffers += 3 * largest_muon + 2 * max(min(p.shape) ** 2 for _, p in muon)
+        largest_muon = max(math.prod(p) for p in shapes.muon)
+        muon_buffers += 3 * largest_muon + 2 * max(min(p) ** 2 for p in shapes.muon)
         o_b += kept * fp32
     gathered = 0
     if strategy.shards_parameters:
-        shard = sum(row_shard_numel(p.shape, world) for p in params)
+        shard = sum(row_shard_numel(p, world) for p in params)
         p_b = g_b = shard * fp32
-        largest = max(row_shard_numel(p.shape, world) for p in params)
+        largest = max(row_shard_numel(p, world) for p in params)
         if world > 1:
             # The root unit (embedding, head, positions, final norm) is gathered at backward's
             # start: all-gather buffer + unsharded parameters, then its unsharded gradient +
@@ -261,13 +302,13 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
             # gradients there. Copies of the root measured on torch 2.13 (CPU, world 2): about 6
             # tied, 1.5 untied (its two tables' gradients are not summed). Blocks one at a time
             # + prefetch.
-            per_block = sum(p.numel() for p in model.transformer.h[0].parameters()) if L else 0
+            per_block = sum(math.prod(p) for p in shapes.block)
             root = n_total - per_block * L
             copies = ROOT_COPIES_TIED if m.get("tie_embeddings", True) else ROOT_COPIES_UNTIED
             gathered = int((copies * root + 2 * per_block) * (2 if act == 2 else 4))
     else:
         p_b = g_b = n_total * fp32
-        largest = max(p.numel() for p in params)
+        largest = max(math.prod(p) for p in params)
     # AdamW's sqrt(v) and its scaled copy, one tensor at a time (CUDA's fused AdamW makes none); or
     # Muon's step (they run in turn)
     temporaries = max(0 if device_type == "cuda" else 2 * largest, muon_buffers) * fp32

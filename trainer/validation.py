@@ -4,6 +4,7 @@ cannot express. Torch-free, like the schema (a user error arrives before torch w
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -14,6 +15,8 @@ from trainer.config import (
     GROUP_SCHEMAS,
     INIT_FROM_REQUIRED,
     LOGGERS,
+    MAX_SAMPLE_TOKENS,
+    MAX_SEED,
     MIXED_PRECISION,
     MLPS,
     MUON_ADJUST_LR,
@@ -27,6 +30,7 @@ from trainer.config import (
     TOKENIZER_VOCAB_SIZE,
     Config,
     batch_plan,
+    parameter_count,
     requested_world,
 )
 from trainer.env import launched_world
@@ -106,6 +110,34 @@ RANGES = {
     "world": _at_least(1),
 }
 
+# The keys whose values past a bound would overflow what torch, numpy or C take, or stall the job,
+# only once it runs: key -> (the largest value, why; said in the line of a value above it).
+_WEEK = "a week: a longer wait is a hang, and torch's deadlines overflow their int64 nanoseconds near 10**10 s"
+_CORES = "more than a machine has cores; torch and the OS take a C int"
+_CLUSTER = "more than any cluster has"
+UPPER_BOUNDS = {
+    # `dtrain plan` lays a model out (shapes only) in about 4 ms a layer: 1024 in seconds, 10**9 never
+    "model.n_layer": (1024, "deeper than any GPT trained, which have about a hundred"),
+    "data.num_proc": (1024, f"tokenizer processes: {_CORES}"),
+    "optim.muon.ns_steps": (100, "Newton-Schulz converges in about 5, each one three matmuls a matrix and step"),
+    # DDP keeps the bucket's bytes in a C int64 (1e20 MB is a TypeError in its Reducer)
+    "parallel.bucket_cap_mb": (10**6, "a terabyte: a bucket beyond the gradients' size is one bucket"),
+    "launch.nnodes": (2**20, _CLUSTER),
+    "launch.rdzv_timeout": (7 * 24 * 3600, _WEEK),
+    # torch elastic's agent sleeps this long between looks at its workers (LaunchConfig.monitor_interval)
+    "launch.monitor_interval": (10, "seconds between the launcher's looks at its workers: a job outlives its "
+                                "training, and notices a failed worker, that late"),
+    "launch.timeout_s": (7 * 24 * 3600, _WEEK),
+    "launch.threads_per_worker": (1024, _CORES),
+    "train.seed": (MAX_SEED, "torch's generators take none larger"),
+    "train.sample_tokens": (MAX_SAMPLE_TOKENS, "past the block size each token re-reads the whole window"),
+    "world": (2**20, _CLUSTER),
+}
+# Parameters a model shape may have (each needs 16 bytes of weights, gradients and AdamW state to
+# train): 10**15 is 16 PB, beyond any machine, and keeps every tensor's size within torch's int64
+# (model.n_embd=10**10 would overflow it in `dtrain plan`'s shapes-only model).
+MAX_PARAMETERS = 10**15
+
 
 # What a null means for the keys that take one (said beside the range a value missed).
 NULL_MEANS = {
@@ -138,6 +170,14 @@ def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> No
         fix = f"; e.g. {key}={default}" if default is not None and ok(default) else ""
         nullable = f" (or null: {NULL_MEANS[key]})" if key in NULL_MEANS else ""
         raise ConfigError(f"{key}={value} must be {requirement}{nullable}{fix}")
+    for key, (high, why) in UPPER_BOUNDS.items():
+        if sections is not None and key.split(".")[0] not in sections:
+            continue
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and value > high:
+            default = _schema_default(key)
+            fix = f"; e.g. {key}={default}" if default is not None else f" (or null: {NULL_MEANS[key]})"
+            raise ConfigError(f"{key}={value} must be at most {high} ({why}){fix}")
     vocab = OmegaConf.select(cfg, "model.vocab_size", default=None)
     if (sections is None or "model" in sections) and vocab is not None and vocab < TOKENIZER_VOCAB_SIZE:
         raise ConfigError(
@@ -188,6 +228,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
     check_block(m)
+    check_model_size(m)
+    check_dataset_name(cfg.data)
     if m.init_from == INIT_FROM_REQUIRED:
         raise ConfigError(
             "this recipe fine-tunes pretrained weights: pass model.init_from=PATH (a Hugging Face GPT-2 folder, "
@@ -244,6 +286,35 @@ def check_block(m: DictConfig) -> None:
         raise ConfigError(
             f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
             "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
+        )
+
+
+def check_model_size(m: DictConfig) -> None:
+    """The shape's parameter count is one a machine could hold (whether this machine can is
+    trainer/launch_checks.py's check, with torch, since `dtrain plan` answers for any machine)."""
+    count = parameter_count(m)
+    if count > MAX_PARAMETERS:
+        raise ConfigError(
+            f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}: the model has {count:.3g} parameters, more than "
+            f"{MAX_PARAMETERS:.0e} (each needs 16 bytes of weights, gradients and AdamW state: petabytes beyond any "
+            "machine); choose a smaller model.n_embd, model.n_layer or model.mlp_hidden"
+        )
+
+
+def check_dataset_name(data: DictConfig) -> None:
+    """data.name is one folder name: the dataset is <data.dir>/<data.name>, so an empty name would put
+    its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it."""
+    name = str(data.name)
+    if not name.strip():
+        raise ConfigError(f"data.name is empty: a dataset lives in its own folder under data.dir={data.dir}; "
+                          "name it, e.g. data.name=corpus")
+    separators = {"/", os.sep, os.altsep} - {None}
+    if name in (".", "..") or any(sep in name for sep in separators):
+        tail = name.rstrip("/").rsplit("/", 1)[-1].strip(".") or "corpus"
+        raise ConfigError(
+            f"data.name={name} is not a folder name: the dataset is written to data.dir/data.name, which this "
+            f"name puts {'in data.dir itself' if name == '.' else 'elsewhere'}; give one folder name "
+            f"(e.g. data.name={tail}) and choose where with data.dir"
         )
 
 

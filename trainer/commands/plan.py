@@ -21,7 +21,7 @@ from rich.table import Table
 from trainer.args import ArgParser
 from trainer.compose import compose
 from trainer.config import requested_world
-from trainer.memory import device_type_of, estimate, fmt_bytes, largest_micro_batch, parse_size
+from trainer.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size
 from trainer.model import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
@@ -56,12 +56,7 @@ def _default_memory(device_type: str, workers_per_node: int) -> tuple[int, str]:
             return ASSUMED_GPU_MEMORY, "no GPU here: an 80 GiB H100 assumed; --device-memory to change"
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, f"{props.name} memory"
-    try:
-        with open("/proc/meminfo") as f:
-            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        total = 0
-    share = total // max(1, workers_per_node)
+    share = host_memory() // max(1, workers_per_node)
     return share, f"host RAM / {workers_per_node} worker(s) per node"
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.args import ArgParser, non_negative_float, non_negative_int, positive, probability
+from trainer.args import ArgParser, non_negative_float, non_negative_int, probability, whole_number_in
 from trainer.checkpoint.weights import model_from_run
+from trainer.config import MAX_SAMPLE_TOKENS, MAX_SEED
 from trainer.errors import UserError
 from trainer.generate import generate_text
 from trainer.runtime import pick_device
@@ -20,15 +21,19 @@ def cmd_sample(argv: list[str]) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory (its newest checkpoint) or a checkpoint folder")
     parser.add_argument("--prompt", metavar="TEXT", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--tokens", metavar="N", type=positive(int), default=200,
-                        help="tokens to generate (default 200)")
+    parser.add_argument("--tokens", metavar="N", default=200,
+                        type=whole_number_in(1, MAX_SAMPLE_TOKENS, "past the block size each token re-reads the "
+                                             "whole window; continue a long text in several samples"),
+                        help=f"tokens to generate (default 200, at most {MAX_SAMPLE_TOKENS:,})")
     parser.add_argument("--temperature", metavar="T", type=non_negative_float, default=1.0,
                         help="sampling temperature (0 = greedy; default 1)")
     parser.add_argument("--top-k", metavar="K", type=non_negative_int, default=50,
                         help="sample among the k likeliest (0 = all; default 50)")
     parser.add_argument("--top-p", metavar="P", type=probability, default=1.0,
                         help="then among the fewest whose probability reaches P (default 1: all)")
-    parser.add_argument("--seed", metavar="S", type=int, default=1337, help="random seed (default 1337)")
+    parser.add_argument("--seed", metavar="S", default=1337,
+                        type=whole_number_in(0, MAX_SEED, "what torch's generators take"),
+                        help="random seed (default 1337; 0 to 2**64 - 1)")
     parser.add_argument("--step", metavar="N", type=non_negative_int,
                         help="the checkpoint at this step (default: newest)")
     parser.add_argument("--device", metavar="DEVICE", default="auto",

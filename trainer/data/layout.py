@@ -11,13 +11,18 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.validation import check_dataset_name
+
 MANIFEST = "manifest.json"  # written last; its presence is what makes a dataset valid
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # GPT-2 token ids (< 65536), raw little-endian
 
 
 def dataset_dir(data_cfg) -> Path:
-    """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (prepare.as_data_cfg)."""
+    """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (prepare.as_data_cfg).
+    A name that is not one folder name (empty, '..', a path) is refused here too, so that no caller
+    reads or writes a dataset outside data.dir (the config's checks refuse it first)."""
+    check_dataset_name(data_cfg)
     return Path(os.path.expanduser(str(data_cfg.dir))) / data_cfg.name
 
 

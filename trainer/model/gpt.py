@@ -38,7 +38,11 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight
         self.activation_checkpointing = False
         self.loss_chunks = 1  # train.loss_chunks: > 1 computes the loss in pieces (trainer/model/loss.py)
-        self.apply(self._init_weights)
+        # A model on the meta device (the memory plan's: shapes only) has no values to initialise, and
+        # torch's meta normal_ is a Python reference that costs milliseconds a tensor (and its first
+        # call imports torch._dynamo): seconds for a deep model, for nothing.
+        if not self.lm_head.weight.is_meta:
+            self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
