@@ -4,10 +4,15 @@ points, fail_fast, re-runs that skip finished points and resume unfinished ones.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 from conftest import dtrain_env, read_metrics, run_dtrain
+from test_checkpoint import start_dtrain, wait_for
+from test_signals import alive, finish
+from test_worker_failure import worker_pids
 
 from trainer.results import STATUS_FILE, labels
 from trainer.sweep import SUMMARY_FILE, identity
@@ -133,6 +138,58 @@ def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_p
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["summary"]["steps"] == 6
     assert summary(sweep_dir)[0]["status"] == "ok"
+
+
+def sweep_files(sweep_dir: Path) -> dict[str, str]:
+    """The sweep's own records (what a second start must not touch) and whether its live point's
+    metrics are in place (a second start used to move them aside into previous_attempt/)."""
+    files = {str(p.relative_to(sweep_dir)): p.read_text() for p in sorted(sweep_dir.rglob("*"))
+             if p.name in (STATUS_FILE, SUMMARY_FILE, "multirun.yaml", "error.txt")}
+    return {**files, "entries": " ".join(sorted(str(p.relative_to(sweep_dir)) for p in sweep_dir.glob("*/*")
+                                                if "previous_attempt" in p.name or p.name == "metrics.jsonl"))}
+
+
+def report_status(sweep_dir: Path) -> list[str]:
+    """The status column of `dtrain report SWEEP_DIR`, from the summary it prints (point #0 first)."""
+    proc = run_dtrain(["report", str(sweep_dir)])
+    assert proc.returncode == 0, output(proc)
+    rows = [line.split("│") for line in proc.stdout.splitlines() if line.startswith("│ ")]
+    return [row[3].strip() for row in rows if row[1].strip().isdigit()]
+
+
+@pytest.mark.slow
+def test_a_live_sweep_refuses_a_second_start_and_shows_its_point_killed_after_kill_9(data_dir, tmp_path):
+    """The old failures: the same sweep started again in its live folder marked the live point
+    failed, moved its metrics aside and trained the next point beside it (exit 1, no error line);
+    after kill -9 of the sweep, `dtrain report` showed the point it was running as running."""
+    sweep_dir = tmp_path / "sweep"
+    args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "train.max_steps=100000", "checkpoint.interval=0",
+                      f"hydra.sweep.dir={sweep_dir}")
+    log = tmp_path / "sweep.log"
+    proc = start_dtrain(args, log)  # in its own process group
+    try:
+        wait_for(lambda: (sweep_dir / "0" / "metrics.jsonl").exists(), proc, log)
+        assert report_status(sweep_dir) == ["running"]  # alive: the status file is right
+        before = sweep_files(sweep_dir)
+
+        again = run_dtrain(args)
+        assert again.returncode == 2, output(again)
+        assert "Traceback" not in output(again), output(again)
+        errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: sweep folder {sweep_dir} is in use by another dtrain sweep (pid {proc.pid}); "
+                          "wait for it to end, or choose another hydra.sweep.dir="], again.stderr
+        assert again.stderr.strip().splitlines()[-1] == errors[0]
+        assert sweep_files(sweep_dir) == before  # nothing written, the live point untouched
+        assert proc.poll() is None, "the first sweep did not survive the second start"
+        workers = [proc.pid, *worker_pids(proc.pid)]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # kill -9 of the whole sweep
+        finish(proc, log)
+    assert not any(alive(pid) for pid in workers)
+    assert json.loads((sweep_dir / "0" / STATUS_FILE).read_text())["status"] == "running"  # the file lies
+    assert report_status(sweep_dir) == ["killed"]
+    proc = run_dtrain(["report", str(sweep_dir)])
+    assert f"its sweep (pid {workers[0]}) ended while it ran" in proc.stdout, proc.stdout
 
 
 def test_a_sweep_dir_holding_another_sweep_is_refused_before_anything_runs(data_dir, tmp_path):
