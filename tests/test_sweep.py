@@ -1,18 +1,21 @@
 """Sweeps (`dtrain train -m`): one full run per point, summary.jsonl and the end table, failed
-points, fail_fast, re-runs that skip finished points and resume unfinished ones."""
+points, fail_fast, re-runs that skip finished points and resume unfinished ones, a second start of a
+live sweep refused, and a point whose sweep was killed shown as killed."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import dtrain_env, read_metrics, run_dtrain
 from test_checkpoint import start_dtrain, wait_for
-from test_signals import alive, finish
-from test_worker_failure import worker_pids
+from test_signals import alive, finish, logged
 
 from trainer.results import STATUS_FILE, labels
 from trainer.sweep import SUMMARY_FILE, identity
@@ -157,22 +160,33 @@ def report_status(sweep_dir: Path) -> list[str]:
     return [row[3].strip() for row in rows if row[1].strip().isdigit()]
 
 
-@pytest.mark.slow
-def test_a_live_sweep_refuses_a_second_start_and_shows_its_point_killed_after_kill_9(data_dir, tmp_path):
-    """The old failures: the same sweep started again in its live folder marked the live point
-    failed, moved its metrics aside and trained the next point beside it (exit 1, no error line);
-    after kill -9 of the sweep, `dtrain report` showed the point it was running as running."""
+@contextmanager
+def live_sweep(data_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, list[str]]]:
+    """A two-point sweep in its own process group, running its point #0 (a step logged); killed
+    with kill -9 of the whole group on the way out. Yields the driver, the sweep folder and the command."""
     sweep_dir = tmp_path / "sweep"
     args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "train.max_steps=100000", "checkpoint.interval=0",
                       f"hydra.sweep.dir={sweep_dir}")
     log = tmp_path / "sweep.log"
-    proc = start_dtrain(args, log)  # in its own process group
+    proc = start_dtrain(args, log)
     try:
-        wait_for(lambda: (sweep_dir / "0" / "metrics.jsonl").exists(), proc, log)
-        assert report_status(sweep_dir) == ["running"]  # alive: the status file is right
-        before = sweep_files(sweep_dir)
+        wait_for(lambda: logged(sweep_dir / "0"), proc, log)  # a step logged: report has a row to show
+        yield proc, sweep_dir, args
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, log)
 
-        again = run_dtrain(args)
+
+@pytest.mark.slow
+def test_a_second_start_of_a_live_sweep_is_one_error_line_naming_the_holder(data_dir, tmp_path):
+    """The old failure: the same sweep started again in its live folder marked the live point
+    failed, moved its metrics aside and trained the next point beside it (exit 1, no error line)."""
+    with live_sweep(data_dir, tmp_path) as (proc, sweep_dir, args):
+        before = sweep_files(sweep_dir)
+        try:  # refused in checks; it used to train the next point beside the live one
+            again = run_dtrain(args, timeout=180)
+        except subprocess.TimeoutExpired as err:
+            raise AssertionError("the second start of the live sweep was not refused: it trained") from err
         assert again.returncode == 2, output(again)
         assert "Traceback" not in output(again), output(again)
         errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
@@ -181,15 +195,20 @@ def test_a_live_sweep_refuses_a_second_start_and_shows_its_point_killed_after_ki
         assert again.stderr.strip().splitlines()[-1] == errors[0]
         assert sweep_files(sweep_dir) == before  # nothing written, the live point untouched
         assert proc.poll() is None, "the first sweep did not survive the second start"
-        workers = [proc.pid, *worker_pids(proc.pid)]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # kill -9 of the whole sweep
-        finish(proc, log)
-    assert not any(alive(pid) for pid in workers)
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_with_kill_9_shows_its_point_killed(data_dir, tmp_path):
+    """The old failure: after kill -9 of the sweep, `dtrain report` showed the point it was running
+    as running (its status file says so; only a live process's lock on its folder can)."""
+    with live_sweep(data_dir, tmp_path) as (proc, sweep_dir, _):
+        assert report_status(sweep_dir) == ["running"]  # alive: the status file is right
+        driver = proc.pid
+    assert not alive(driver)
     assert json.loads((sweep_dir / "0" / STATUS_FILE).read_text())["status"] == "running"  # the file lies
     assert report_status(sweep_dir) == ["killed"]
-    proc = run_dtrain(["report", str(sweep_dir)])
-    assert f"its sweep (pid {workers[0]}) ended while it ran" in proc.stdout, proc.stdout
+    report = run_dtrain(["report", str(sweep_dir)])
+    assert f"its sweep (pid {driver}) ended while it ran" in report.stdout, report.stdout
 
 
 def test_a_sweep_dir_holding_another_sweep_is_refused_before_anything_runs(data_dir, tmp_path):
