@@ -135,11 +135,6 @@ class StopSignals:
             self.pending[0].wait()
         self.pending = None
         for sig, handler in self.previous.items():
-            if self.relayed_by_driver and sig in STOP_SIGNALS:
-                # This process ends now; its handlers stay for the teardown: a signal to the whole
-                # process group would otherwise kill it mid-teardown (a failure to its launcher),
-                # while its driver acts on that signal itself.
-                continue
             signal.signal(sig, handler)
         self.previous.clear()
         if _active is self:
