@@ -4,10 +4,12 @@ live sweep refused, and a point whose sweep was killed shown as killed."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +19,9 @@ from conftest import dtrain_env, read_metrics, run_dtrain
 from test_checkpoint import start_dtrain, wait_for
 from test_signals import alive, finish, logged
 
-from trainer.results import STATUS_FILE, labels
+from trainer.io import flock_held
+from trainer.results import STATUS_FILE, labels, live_status
+from trainer.rundir import RunDirLock
 from trainer.sweep import SUMMARY_FILE, identity
 
 
@@ -295,3 +299,32 @@ def test_optuna_search_minimises_the_best_val_loss(data_dir, tmp_path):
     # the seeded sampler proposes the same trials again: a re-run skips both
     again = run_dtrain(args)
     assert again.returncode == 0 and output(again).count("finished earlier") == 2, output(again)
+
+
+def test_a_point_recorded_running_is_running_only_while_a_process_holds_its_folder(tmp_path):
+    """In-process: a lock taken through another open file is what another process would see."""
+    point = tmp_path / "0"
+    point.mkdir()
+    (point / STATUS_FILE).write_text(json.dumps({"num": 0, "status": "running", "pid": 4242}))
+    lock = RunDirLock(point)
+    lock.claim()
+    assert flock_held(point) and live_status(point)["status"] == "running"
+    lock.release()
+    assert not flock_held(point)
+    killed = live_status(point)
+    assert killed["status"] == "killed" and "its sweep (pid 4242) ended while it ran" in killed["error"]
+    assert json.loads((point / STATUS_FILE).read_text())["status"] == "running"  # reading writes nothing
+
+
+def test_a_liveness_probe_at_the_moment_a_run_claims_its_folder_does_not_refuse_the_run(tmp_path):
+    """`flock_held` takes a shared lock for an instant; a run claiming the folder just then waits it
+    out instead of reporting the folder in use."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    probe = os.open(folder, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(0.05, os.close, [probe]).start()  # closing lets go of the probe's lock
+    lock = RunDirLock(folder)
+    lock.claim()
+    assert flock_held(folder)
+    lock.release()
