@@ -194,3 +194,45 @@ def test_driver_killed_leaves_no_orphans(data_dir, tmp_path):
             for pid in workers:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def group_stop(sig: signal.Signals, moment: str, data_dir: Path, run_dir: Path, log: Path) -> tuple[list[str], str]:
+    """A ddp run in its own process group, `sig` sent to the whole group (Slurm's --signal and
+    scancel -s, Kubernetes: the driver, both workers and multiprocessing's resource tracker get it
+    at once) while the workers still start ("startup": before their handlers are up) or train."""
+    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES["ddp"])
+    proc = start_dtrain(args, log)
+    if moment == "startup":
+        wait_for(lambda: len(worker_pids(proc.pid)) == 2, proc, log)
+    else:
+        wait_for(lambda: logged(run_dir), proc, log)
+    workers = worker_pids(proc.pid)
+    os.killpg(proc.pid, sig)
+    out = finish(proc, log)
+    for pid in workers:
+        assert not alive(pid), f"worker {pid} still running after the driver exited"
+    return args, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["startup", "training"])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_signal_to_the_whole_process_group_saves_once_without_a_traceback(sig, moment, data_dir, tmp_path):
+    """The old failures: a group SIGUSR1 killed the resource tracker, whose replacement printed 9
+    KeyError tracebacks; a group signal while the workers imported torch killed them (exit 1 and
+    torch's traceback, nothing saved). Now: the driver's one announcement, one stop line, 128+N,
+    and the same command continues from the checkpoint it names."""
+    run_dir = tmp_path / "run"
+    args, out = group_stop(sig, moment, data_dir, run_dir, tmp_path / "stopped.log")
+    assert "Traceback" not in out, out[-3000:]
+    assert out.count(f"{sig.name} received: saving") == 1, out[-3000:]
+    lines = STOP_LINE.findall(out)
+    assert len(lines) == 1, out[-3000:]
+    name, step, saved, code = lines[0]
+    assert (name, int(code)) == (sig.name, 128 + sig), lines
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and is_complete(ckpt) and Path(saved) == ckpt, (saved, ckpt)
+    again = run_dtrain(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {ckpt} (step {step})" in again.stderr, again.stderr[-3000:]
+    assert [r[0] for r in loss_records(run_dir)] == list(range(1, STEPS + 1))

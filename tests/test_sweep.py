@@ -1,15 +1,27 @@
 """Sweeps (`dtrain train -m`): one full run per point, summary.jsonl and the end table, failed
-points, fail_fast, re-runs that skip finished points and resume unfinished ones."""
+points, fail_fast, re-runs that skip finished points and resume unfinished ones, a second start of a
+live sweep refused, and a point whose sweep was killed shown as killed."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import dtrain_env, read_metrics, run_dtrain
+from test_checkpoint import start_dtrain, wait_for
+from test_signals import alive, finish, logged
 
-from trainer.results import STATUS_FILE, labels
+from trainer.io import flock_held
+from trainer.results import STATUS_FILE, labels, live_status
+from trainer.rundir import RunDirLock
 from trainer.sweep import SUMMARY_FILE, identity
 
 
@@ -135,6 +147,74 @@ def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_p
     assert summary(sweep_dir)[0]["status"] == "ok"
 
 
+def sweep_files(sweep_dir: Path) -> dict[str, str]:
+    """The sweep's own records (what a second start must not touch) and whether its live point's
+    metrics are in place (a second start used to move them aside into previous_attempt/)."""
+    files = {str(p.relative_to(sweep_dir)): p.read_text() for p in sorted(sweep_dir.rglob("*"))
+             if p.name in (STATUS_FILE, SUMMARY_FILE, "multirun.yaml", "error.txt")}
+    return {**files, "entries": " ".join(sorted(str(p.relative_to(sweep_dir)) for p in sweep_dir.glob("*/*")
+                                                if "previous_attempt" in p.name or p.name == "metrics.jsonl"))}
+
+
+def report_status(sweep_dir: Path) -> list[str]:
+    """The status column of `dtrain report SWEEP_DIR`, from the summary it prints (point #0 first)."""
+    proc = run_dtrain(["report", str(sweep_dir)])
+    assert proc.returncode == 0, output(proc)
+    rows = [line.split("│") for line in proc.stdout.splitlines() if line.startswith("│ ")]
+    return [row[3].strip() for row in rows if row[1].strip().isdigit()]
+
+
+@contextmanager
+def live_sweep(data_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, list[str]]]:
+    """A two-point sweep in its own process group, running its point #0 (a step logged); killed
+    with kill -9 of the whole group on the way out. Yields the driver, the sweep folder and the command."""
+    sweep_dir = tmp_path / "sweep"
+    args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "train.max_steps=100000", "checkpoint.interval=0",
+                      f"hydra.sweep.dir={sweep_dir}")
+    log = tmp_path / "sweep.log"
+    proc = start_dtrain(args, log)
+    try:
+        wait_for(lambda: logged(sweep_dir / "0"), proc, log)  # a step logged: report has a row to show
+        yield proc, sweep_dir, args
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finish(proc, log)
+
+
+@pytest.mark.slow
+def test_a_second_start_of_a_live_sweep_is_one_error_line_naming_the_holder(data_dir, tmp_path):
+    """The old failure: the same sweep started again in its live folder marked the live point
+    failed, moved its metrics aside and trained the next point beside it (exit 1, no error line)."""
+    with live_sweep(data_dir, tmp_path) as (proc, sweep_dir, args):
+        before = sweep_files(sweep_dir)
+        try:  # refused in checks; it used to train the next point beside the live one
+            again = run_dtrain(args, timeout=180)
+        except subprocess.TimeoutExpired as err:
+            raise AssertionError("the second start of the live sweep was not refused: it trained") from err
+        assert again.returncode == 2, output(again)
+        assert "Traceback" not in output(again), output(again)
+        errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: sweep folder {sweep_dir} is in use by another dtrain sweep (pid {proc.pid}); "
+                          "wait for it to end, or choose another hydra.sweep.dir="], again.stderr
+        assert again.stderr.strip().splitlines()[-1] == errors[0]
+        assert sweep_files(sweep_dir) == before  # nothing written, the live point untouched
+        assert proc.poll() is None, "the first sweep did not survive the second start"
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_with_kill_9_shows_its_point_killed(data_dir, tmp_path):
+    """The old failure: after kill -9 of the sweep, `dtrain report` showed the point it was running
+    as running (its status file says so; only a live process's lock on its folder can)."""
+    with live_sweep(data_dir, tmp_path) as (proc, sweep_dir, _):
+        assert report_status(sweep_dir) == ["running"]  # alive: the status file is right
+        driver = proc.pid
+    assert not alive(driver)
+    assert json.loads((sweep_dir / "0" / STATUS_FILE).read_text())["status"] == "running"  # the file lies
+    assert report_status(sweep_dir) == ["killed"]
+    report = run_dtrain(["report", str(sweep_dir)])
+    assert f"its sweep (pid {driver}) ended while it ran" in report.stdout, report.stdout
+
+
 def test_a_sweep_dir_holding_another_sweep_is_refused_before_anything_runs(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     (sweep_dir / "0").mkdir(parents=True)
@@ -219,3 +299,32 @@ def test_optuna_search_minimises_the_best_val_loss(data_dir, tmp_path):
     # the seeded sampler proposes the same trials again: a re-run skips both
     again = run_dtrain(args)
     assert again.returncode == 0 and output(again).count("finished earlier") == 2, output(again)
+
+
+def test_a_point_recorded_running_is_running_only_while_a_process_holds_its_folder(tmp_path):
+    """In-process: a lock taken through another open file is what another process would see."""
+    point = tmp_path / "0"
+    point.mkdir()
+    (point / STATUS_FILE).write_text(json.dumps({"num": 0, "status": "running", "pid": 4242}))
+    lock = RunDirLock(point)
+    lock.claim()
+    assert flock_held(point) and live_status(point)["status"] == "running"
+    lock.release()
+    assert not flock_held(point)
+    killed = live_status(point)
+    assert killed["status"] == "killed" and "its sweep (pid 4242) ended while it ran" in killed["error"]
+    assert json.loads((point / STATUS_FILE).read_text())["status"] == "running"  # reading writes nothing
+
+
+def test_a_liveness_probe_at_the_moment_a_run_claims_its_folder_does_not_refuse_the_run(tmp_path):
+    """`flock_held` takes a shared lock for an instant; a run claiming the folder just then waits it
+    out instead of reporting the folder in use."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    probe = os.open(folder, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(0.05, os.close, [probe]).start()  # closing lets go of the probe's lock
+    lock = RunDirLock(folder)
+    lock.claim()
+    assert flock_held(folder)
+    lock.release()

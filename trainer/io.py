@@ -6,6 +6,7 @@ uses it before torch is imported.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -100,6 +101,25 @@ def dotted_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def flock_held(path: Path) -> bool:
+    """Some process holds a flock on `path` (a folder a live run or sweep holds: rundir.RunDirLock),
+    which the OS releases when it dies, kill -9 included. Probed by taking a shared lock and closing
+    it at once, which writes nothing and also sees a holder on another node of a shared file system."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # gone: nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a file system without flock: no run could have held it either
+    finally:
+        os.close(fd)  # lets go of the probe's own lock
+    return False
 
 
 def flock_holder(path: Path) -> int | None:

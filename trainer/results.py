@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.errors import UserError
+from trainer.io import flock_held
 from trainer.metrics import METRICS_FILE, read_metrics
 
 STATUS_FILE = "status.json"
@@ -78,6 +79,19 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def live_status(point_dir: Path) -> dict[str, Any] | None:
+    """A sweep point's status as it stands now: a point recorded as running whose folder no live
+    process holds (its sweep holds it while the point runs: trainer.sweep.run_point) was killed
+    without a word (kill -9, the out-of-memory killer, a lost node), whatever the file says."""
+    status = read_status(point_dir)
+    if status is None or status.get("status") != "running" or flock_held(point_dir):
+        return status
+    pid = status.get("pid")
+    return {**status, "status": "killed",
+            "error": f"its sweep{f' (pid {pid})' if pid else ''} ended while it ran, without recording how "
+                     "(kill -9, out of memory, a lost node); the same sweep command resumes it"}
+
+
 def point_dirs(sweep_dir: Path) -> list[Path]:
     """The sweep's point folders (those with a status file or a metrics.jsonl), by job number."""
     if not sweep_dir.is_dir():
@@ -125,7 +139,7 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-STATUS_STYLE = {"ok": "green", "failed": "bold red", "skipped": "yellow", "running": "yellow",
+STATUS_STYLE = {"ok": "green", "failed": "bold red", "killed": "bold red", "skipped": "yellow", "running": "yellow",
                 "interrupted": "yellow", "unfinished": "yellow"}
 
 

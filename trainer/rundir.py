@@ -15,6 +15,7 @@ import enum
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,14 @@ class RunDirLock:
 
     `probe()` takes it if the directory exists (writing nothing), so a second run there is refused
     before any check reads the directory; `claim()` creates the directory if needed and takes it.
-    The OS releases it when the process ends in any way."""
+    The OS releases it when the process ends in any way. `flock_held` (trainer.io) tells from
+    outside whether a live process holds it (a sweep point's status; see trainer.results).
+    """
+
+    what = "run directory"  # the folder and who holds it, as the refusal names them
+    holder = "dtrain run"
+    choose = "hydra.run.dir="
+    PROBE_RETRIES = 3  # a `flock_held` probe holds its shared lock for microseconds: not a run
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -207,16 +215,21 @@ class RunDirLock:
 
     def _take(self) -> None:
         fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = flock_holder(self.run_dir)
-            who = f" (pid {holder})" if holder else ""
-            raise UserError(
-                f"run directory {self.run_dir} is in use by another dtrain run{who}; wait for it to end, "
-                "or choose another hydra.run.dir="
-            ) from None
+        for attempt in range(self.PROBE_RETRIES + 1):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt < self.PROBE_RETRIES:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+                holder = flock_holder(self.run_dir)
+                who = f" (pid {holder})" if holder else ""
+                raise UserError(
+                    f"{self.what} {self.run_dir} is in use by another {self.holder}{who}; wait for it to end, "
+                    f"or choose another {self.choose}"
+                ) from None
         self.fd = fd
 
     def release(self) -> None:

@@ -13,7 +13,10 @@ would turn SIGTERM/SIGINT into SignalException and tear the workers down within 
 handlers are kept off these signals; the driver relays the first signal to its workers and waits
 for them to save, and a second one kills them and exits at once. The relay is SIGRTMIN+N, not N
 itself: a signal sent to the whole process group already reaches every worker, and a worker must
-not count the driver's copy as the second signal. Workers also exit on their own when the driver
+not count the driver's copy as the second signal. The workers start with the stop signals blocked
+and unblock them once their handlers are up, so a signal to the whole process group (Slurm's
+--signal and scancel -s, Kubernetes) while they still start is acted on as one to the driver
+(the driver takes them in a thread of its own meanwhile). Workers also exit on their own when the driver
 dies (kill -9): torch's spawn sends them SIGINT then, which the handler recognises by the changed
 parent pid or the launcher seen dying (zombie, SIGKILL pending), says so in one line and exits
 without claiming a save; a watchdog thread covers a main thread stuck inside a collective. The
@@ -28,6 +31,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -46,6 +50,7 @@ PARENT_POLL_S = 0.5
 # as a stop request; a real stop is acted on at the next step boundary anyway.
 DEATH_GRACE_S = 0.3
 RELAY_PERIOD_S = 1.0
+WAIT_POLL_S = 0.2  # how often the driver's signal thread looks whether the launch ended
 
 _active: StopSignals | None = None
 
@@ -114,6 +119,9 @@ class StopSignals:
         for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self._direct)
             self.previous[relay_of(sig)] = signal.signal(relay_of(sig), self._relayed)
+        # dtrain's driver starts its workers with the stop signals blocked (DriverSignals): one
+        # that reached this process meanwhile is pending and lands in the handler now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         if self.parent is not None:
             threading.Thread(target=self._watch_parent, name="dtrain-parent-watchdog", daemon=True).start()
         _active = self
@@ -251,6 +259,8 @@ class DriverSignals:
         self.signum = 0
         self.done = threading.Event()
         self.previous: dict[int, object] = {}
+        self.previous_mask: set[int] | None = None
+        self.waiter: threading.Thread | None = None
         self.saved_env: dict[str, str | None] = {}
 
     def __enter__(self) -> DriverSignals:
@@ -258,17 +268,35 @@ class DriverSignals:
             return self
         self._set_env(RELAY_ENV, "1")  # inherited by the workers
         for sig in STOP_SIGNALS:
-            self.previous[sig] = signal.signal(sig, self._handle)
+            self.previous[sig] = signal.signal(sig, self._handle)  # for a thread that was up before
             # Ignored here and so in every worker until its own handler is up (an ignored
             # disposition survives exec): a relay that comes too early is sent again.
             self.previous[relay_of(sig)] = signal.signal(relay_of(sig), signal.SIG_IGN)
+        # Blocked in this thread, which starts the workers, and so in them until their handlers are
+        # up (a blocked signal stays blocked across exec, then pending): a signal to the whole process
+        # group while a worker still imports torch would otherwise kill it (SIGTERM, SIGUSR1) before it
+        # can save. The same holds for multiprocessing's resource tracker, started here first (it
+        # ignores only SIGINT and SIGTERM: a group SIGUSR1 killed it, and the one relaunched printed a
+        # KeyError traceback for each semaphore released). This process takes them in a thread of
+        # its own (threads started from here on inherit the block).
+        self.previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        resource_tracker.ensure_running()  # a no-op when it runs already (an earlier sweep point's)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the tracker's start unblocks SIGINT and SIGTERM
+        self.waiter = threading.Thread(target=self._wait_for_signals, name="dtrain-signal-wait", daemon=True)
+        self.waiter.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.done.set()
+        if self.waiter is not None:
+            self.waiter.join()
+            self.waiter = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous.clear()
+        if self.previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
+            self.previous_mask = None
         for key, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -278,6 +306,12 @@ class DriverSignals:
     def _set_env(self, key: str, value: str) -> None:
         self.saved_env[key] = os.environ.get(key)
         os.environ[key] = value
+
+    def _wait_for_signals(self) -> None:
+        while not self.done.is_set():
+            info = signal.sigtimedwait(STOP_SIGNALS, WAIT_POLL_S)
+            if info is not None:
+                self._handle(info.si_signo, None)
 
     def _handle(self, signum, _frame) -> None:
         if not self.signum:

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from trainer.results import (
     STATUS_FILE,
     STATUS_STYLE,
     finite_or_none,
+    live_status,
     point_dirs,
     read_overrides,
     read_status,
@@ -45,6 +46,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
+from trainer.rundir import RunDirLock
 from trainer.writable import check_writable_dir, folder_setting
 
 SUMMARY_FILE = "summary.jsonl"
@@ -70,7 +72,7 @@ STATE = _SweepState()
 def sweep_records(sweep_dir: Path) -> list[dict[str, Any]]:
     records = []
     for point in point_dirs(sweep_dir):
-        status = read_status(point)
+        status = live_status(point)
         if status is None:  # a run folder without a status file (e.g. copied in): describe it
             finished, figures = run_figures(point)
             status = {"num": int(point.name) if point.name.isdigit() else None,
@@ -119,10 +121,30 @@ class _Point:
         write_summary(self.dir.parent)
 
 
-def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
+def run_point(cfg, hydra_cfg, runner: Callable[[RunDirLock | None], dict]) -> float:
     """Run one sweep point (Hydra's task function calls this in multirun mode); returns the
-    objective, the best val loss. A finished point is skipped, an unfinished one resumed."""
+    objective, the best val loss. A finished point is skipped, an unfinished one resumed.
+
+    The point's folder is locked (rundir.RunDirLock) before its status is read and held until its
+    last status is written, so a live point is never touched by another process, and a point
+    recorded as running whose folder nobody holds was killed (results.live_status). `runner`
+    trains under that lock."""
     point = _Point(hydra_cfg)
+    lock = RunDirLock(point.dir)
+    # Under plain torchrun every rank runs the sweep: rank 0's worker holds each point (trainer.worker).
+    locking = not under_torchrun()
+    if locking:
+        try:
+            lock.probe()
+        except UserError as err:
+            raise SweepPointFailed(f"sweep point #{point.num} not run: {err}") from None
+    try:
+        return _run_point(cfg, point, lock if locking else None, runner)
+    finally:
+        lock.release()
+
+
+def _run_point(cfg, point: _Point, lock: RunDirLock | None, runner: Callable[[RunDirLock | None], dict]) -> float:
     num = point.num
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     previous = read_status(point.dir)
@@ -148,10 +170,12 @@ def run_point(cfg, hydra_cfg, runner: Callable[[], dict]) -> float:
             _set_aside_previous_attempt(point.dir)
         elif previous is not None:
             console.print(f"[yellow]sweep point #{num} is unfinished; resuming it from its checkpoint[/]")
-    point.record("running", {"started": time.time()})
+    if lock is not None:
+        lock.claim()
+    point.record("running", {"started": time.time(), "pid": os.getpid()})
     t0 = time.perf_counter()
     try:
-        result = runner()
+        result = runner(lock)
     except BaseException as err:
         wall = time.perf_counter() - t0
         interrupted = isinstance(err, (KeyboardInterrupt, Stopped))
@@ -264,6 +288,30 @@ def pin_sweep_dir(args: list[str]) -> tuple[list[str], Path | None]:
     if basic and raw.get("sweep", {}).get("subdir") == "${hydra.job.num}":
         check_sweep_dir(sweep_dir, points)
     return args, sweep_dir
+
+
+class SweepDirLock(RunDirLock):
+    """The sweep folder's lock, held by the sweep's driver for the sweep's life."""
+
+    what = "sweep folder"
+    holder = "dtrain sweep"
+    choose = "hydra.sweep.dir="
+
+
+@contextlib.contextmanager
+def holding_sweep_dir(sweep_dir: Path | None) -> Iterator[None]:
+    """One sweep per folder: a second start of a live sweep (the same command repeated with its
+    hydra.sweep.dir=) is refused in one line naming the holder's pid, before anything is written.
+    The head node holds it (the other nodes of a multi-node point write none of the sweep's files)."""
+    if sweep_dir is None or not is_head_node():
+        yield
+        return
+    lock = SweepDirLock(sweep_dir).probe()
+    try:
+        lock.claim()
+        yield
+    finally:
+        lock.release()
 
 
 PLUGINS = {"hydra/sweeper/optuna": "optuna", "hydra/launcher/submitit": "slurm"}

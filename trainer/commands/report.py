@@ -33,10 +33,10 @@ from trainer.results import (
     finite_or_none,
     harness_table,
     labels,
+    live_status,
     point_dirs,
     read_harness,
     read_overrides,
-    read_status,
     results_table,
     run_figures,
     table_console,
@@ -93,7 +93,7 @@ def find_runs(path: Path) -> list[Path]:
 def load_run(path: Path, name: str) -> RunData:
     records = read_metrics(path / METRICS_FILE)
     overrides = read_overrides(path)
-    status = read_status(path) if (path / STATUS_FILE).exists() else None
+    status = live_status(path) if (path / STATUS_FILE).exists() else None
     finished, figures = run_figures(path, records)
     if status is not None:  # a sweep point: its own record (status, wall time, error)
         record = {**figures, **{k: v for k, v in status.items() if v is not None or k not in figures}}

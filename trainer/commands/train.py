@@ -16,6 +16,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -39,7 +40,7 @@ from trainer.config import requested_world, to_dict
 from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
-from trainer.sweep import finish_sweep, pin_sweep_dir, plugin_hint, run_point
+from trainer.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
 from trainer.validation import validate
 from trainer.writable import folder_setting, write_errors_as_user_errors
 
@@ -148,11 +149,12 @@ def _sweep(args: list[str], overrides: list[str], source) -> None:
         check_data(cfg, requested_world(cfg), prepare_now=False)  # before the sweep folder, which Hydra makes
         check_launch(cfg, requested_world(cfg))
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
-    try:
-        _hydra_main(args)
-    finally:
-        if sweep_dir is not None:  # the sweep's table, also when a point failed or it was interrupted
-            finish_sweep(sweep_dir)
+    with holding_sweep_dir(sweep_dir):  # one sweep per folder, as one run per run directory
+        try:
+            _hydra_main(args)
+        finally:
+            if sweep_dir is not None:  # the sweep's table, also when a point failed or it was interrupted
+                finish_sweep(sweep_dir)
 
 
 def _hydra_main(args: list[str], task=None) -> None:
@@ -194,14 +196,14 @@ def train_job(cfg) -> float:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
     if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
-        return run_point(cfg, hydra_cfg, lambda: run_training(cfg, run_dir, checked=False))
+        return run_point(cfg, hydra_cfg, lambda lock: run_training(cfg, run_dir, checked=False, lock=lock))
     return run_training(cfg, run_dir, checked=True)["best_val_loss"]
 
 
-def run_training(cfg, run_dir: Path, checked: bool) -> dict:
+def run_training(cfg, run_dir: Path, checked: bool, lock: RunDirLock | None = None) -> dict:
     """Train with cfg in run_dir on the requested workers; returns rank 0's figures. `checked`:
     this process already checked and claimed the run directory (a single run does so before
-    Hydra writes anything); a sweep point is checked and claimed here."""
+    Hydra writes anything); a sweep point is checked here, under `lock` (its sweep holds it)."""
     # the torch side of dtrain: imported once the checks have passed
     from trainer.launch import run_workers
     from trainer.worker import worker_main
@@ -214,7 +216,7 @@ def run_training(cfg, run_dir: Path, checked: bool) -> dict:
         record_config(cfg, run_dir)
         return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
                            stop_signals=True)
-    with RunDirLock(run_dir) as lock:
+    with RunDirLock(run_dir) if lock is None else nullcontext(lock) as lock:
         if preflight(cfg, run_dir, world, lock, check_launch) is RunDirState.FINISHED:
             return {}
         return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
