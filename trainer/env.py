@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+# The `dtrain train ...` command that continues this run: set by dtrain's driver, for the line a
+# stop signal prints in the worker that saved.
+CONTINUE_COMMAND_ENV = "DTRAIN_CONTINUE_COMMAND"
+
 
 def under_torchrun() -> bool:
     """Started by torchrun (or its engine): RANK / WORLD_SIZE describe this worker."""
@@ -27,9 +31,6 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-# The `dtrain train ...` command that continues this run (set by the driver for the stop line).
-CONTINUE_COMMAND_ENV = "DTRAIN_CONTINUE_COMMAND"
-
-
 def continue_command() -> str | None:
+    """The command that continues this run (None under plain torchrun or in a sweep point)."""
     return os.environ.get(CONTINUE_COMMAND_ENV)

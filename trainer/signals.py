@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.env import under_torchrun
+from trainer.env import continue_command, under_torchrun
 from trainer.errors import Stopped
+from trainer.joblog import say
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop signals and reports a second one
@@ -232,8 +233,9 @@ def at_step_boundary(run, checkpointer) -> None:
     if checkpointer is not None:
         saved = f"saved {checkpointer.save_now(run)}"
     if run.rt.is_main:
-        print(f"dtrain: {_name(signum)} at step {step}: {saved}; exiting with {128 + signum}",
-              file=sys.stderr, flush=True)
+        command = continue_command()  # the driver's `dtrain train ...`; none under plain torchrun
+        again = f"; `{command}` continues it" if command and checkpointer is not None else ""
+        say(f"{_name(signum)} at step {step}: {saved}; exiting with {128 + signum}{again}")
     raise Stopped(signum)
 
 
