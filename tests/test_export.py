@@ -9,35 +9,25 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import corpus_text
+from helpers import checkpointed_tiny_run
 
 from trainer.checkpoint.hf import CONV1D_WEIGHTS
 from trainer.checkpoint.layout import latest_checkpoint
-from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
 from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
 from trainer.compose import compose
-from trainer.config import batch_plan
 from trainer.data import tokenizer
 from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
-from trainer.loop import TrainState
 from trainer.model import build_model
-from trainer.parallel import make_strategy
-from trainer.runtime import Runtime
 
 pytest.importorskip("safetensors")
-
-
-class _Loader:
-    def state_dict(self):
-        return {"epoch": 0, "shard_pos": 0, "token_offset": 0}
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +35,7 @@ def trained(tmp_path_factory):
     """A tiny GPT (vocabulary padded to 50304) trained three AdamW steps in this process and
     checkpointed with the real Checkpointer; returns (run dir, the live trained model)."""
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    cfg = compose(["model=tiny", "model.pad_vocab_multiple=64", "train.device=cpu"])
-    rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
-    torch.manual_seed(0)
-    strategy = make_strategy(cfg.parallel, cfg.train, rt)
-    model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
-    for _ in range(3):
-        x = torch.randint(0, 50257, (2, 16))
-        model(x, torch.roll(x, -1, 1))[1].backward()
-        strategy.optimizer_step(optimizer)
-    run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
-                          state=TrainState(step=3, tokens=96), plan=batch_plan(cfg, 1))
-    checkpointer = Checkpointer(cfg, rt, run_dir)
-    checkpointer.save(run)
-    checkpointer.close()
+    _, model = checkpointed_tiny_run(run_dir, ["model.pad_vocab_multiple=64"], steps=3, tokens_per_step=32)
     return run_dir, model.eval()
 
 

@@ -13,28 +13,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from conftest import run_dtrain
 from harness_setup import offline_env
+from helpers import checkpointed_tiny_run
 from test_rundir import snapshot
 
 from trainer.checkpoint.layout import latest_checkpoint
-from trainer.checkpoint.manager import Checkpointer
 from trainer.cli import main
-from trainer.compose import compose
-from trainer.config import batch_plan, to_dict
-from trainer.loop import TrainState
-from trainer.model import build_model
-from trainer.parallel import make_strategy
+from trainer.config import to_dict
 from trainer.rundir import write_config_record
-from trainer.runtime import Runtime
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-class _Loader:
-    def state_dict(self):
-        return {"epoch": 0, "shard_pos": 0, "token_offset": 0}
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +31,7 @@ def run_dir(tmp_path_factory) -> Path:
     """A tiny run directory as training leaves it: its resolved config, metrics lines and a
     checkpoint of two AdamW steps written by the real Checkpointer; plus a HellaSwag-format file."""
     run_dir = tmp_path_factory.mktemp("outputs") / "run"
-    cfg = compose(["model=tiny", "train.device=cpu", "train.seq_len=32"])
-    rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
-    torch.manual_seed(0)
-    strategy = make_strategy(cfg.parallel, cfg.train, rt)
-    model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
-    for _ in range(2):
-        x = torch.randint(0, 50257, (2, 16))
-        model(x, torch.roll(x, -1, 1))[1].backward()
-        strategy.optimizer_step(optimizer)
-    run = SimpleNamespace(strategy=strategy, model=model, optimizer=optimizer, train_loader=_Loader(),
-                          state=TrainState(step=2, tokens=64), plan=batch_plan(cfg, 1))
-    checkpointer = Checkpointer(cfg, rt, run_dir)
-    checkpointer.save(run)
-    checkpointer.close()
+    cfg, _ = checkpointed_tiny_run(run_dir, ["train.seq_len=32"], steps=2, tokens_per_step=32)
     write_config_record(run_dir, to_dict(cfg))
     (run_dir / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "tokens": 32 * s, "loss": 11.0 - s, "lr": 1e-4 * s, "tokens_per_s": 900.0 + s}) + "\n"
