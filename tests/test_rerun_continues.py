@@ -35,7 +35,8 @@ def test_ctrl_c_then_the_same_command_continues_the_run(data_dir, tmp_path):
     assert first.returncode == 130, out + err
     saved = [line for line in err.splitlines() if "saved" in line and "exiting with 130" in line]
     assert len(saved) == 1, err
-    assert "dtrain train " in saved[0] and "continues" in saved[0], saved[0]  # the command to type again
+    again = err.splitlines()[err.splitlines().index(saved[0]) + 1]  # the line after it: the command to type
+    assert again.startswith("dtrain: the same command continues it: dtrain train "), again
     stopped_at = max(r["step"] for r in read_metrics(run_dir) if "loss" in r)
 
     second = run_dtrain(args, cwd=home, check=True)

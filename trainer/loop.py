@@ -53,7 +53,9 @@ class RunResult:
     steps: int
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
-    ran: dict = field(default_factory=dict)  # what produced the figures (trainer/provenance.py)
+    # what produced the figures (trainer/provenance.py): in the summary record beside the figures,
+    # not among them (trackers log the figures)
+    ran: dict = field(default_factory=dict)
 
 
 class Run:
@@ -279,7 +281,8 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         view.summary("run summary", _summary_rows(result, run_dir))
         view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
-            metrics.log({"step": state.step, "tokens": state.tokens, "summary": asdict(result)})
+            figures = asdict(result)
+            metrics.log({"step": state.step, "tokens": state.tokens, "ran": figures.pop("ran"), "summary": figures})
         return result
     finally:
         view.close()

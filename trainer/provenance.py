@@ -36,13 +36,14 @@ def describe(ran: dict) -> str:
 
 
 def git_commit(folder: Path) -> str | None:
-    """The checkout's commit (`git describe --always --dirty`), or None outside a checkout or
-    without git (an installed wheel)."""
+    """The checkout's commit (12 hex digits, `-dirty` with local changes), or None outside a
+    checkout or without git (an installed wheel)."""
     if not (folder / ".git").exists():
         return None
     try:
-        done = subprocess.run(["git", "-C", str(folder), "describe", "--always", "--dirty", "--abbrev=12"],
-                              capture_output=True, text=True, timeout=10)
+        # --exclude=*: the commit itself, never a tag name
+        done = subprocess.run(["git", "-C", str(folder), "describe", "--always", "--dirty", "--abbrev=12",
+                               "--exclude=*"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None

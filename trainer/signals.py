@@ -233,9 +233,10 @@ def at_step_boundary(run, checkpointer) -> None:
     if checkpointer is not None:
         saved = f"saved {checkpointer.save_now(run)}"
     if run.rt.is_main:
+        say(f"{_name(signum)} at step {step}: {saved}; exiting with {128 + signum}")
         command = continue_command()  # the driver's `dtrain train ...`; none under plain torchrun
-        again = f"; `{command}` continues it" if command and checkpointer is not None else ""
-        say(f"{_name(signum)} at step {step}: {saved}; exiting with {128 + signum}{again}")
+        if command and checkpointer is not None:
+            say(f"the same command continues it: {command}")
     raise Stopped(signum)
 
 

@@ -161,10 +161,16 @@ def _hydra_main(args: list[str], task=None) -> None:
     """hydra.main over args (`--config-path` in args wins over dtrain's conf/, as in any Hydra app)."""
     register_hydra()
     args = hydra_args(args)
-    sys.argv = ["dtrain", *args]
     source = config_source(args)
-    hydra.main(config_path=str(source.config_path), config_name=source.config_name,
-               version_base="1.3")(task or train_job)()
+    # Hydra reads its arguments from sys.argv; the program stays this process's own (workers spawned
+    # meanwhile carry it), and the command line is as typed again afterwards
+    typed = sys.argv
+    sys.argv = [typed[0] if typed else "dtrain", *args]
+    try:
+        hydra.main(config_path=str(source.config_path), config_name=source.config_name,
+                   version_base="1.3")(task or train_job)()
+    finally:
+        sys.argv = typed
 
 
 def _without_hydra(cfg):

@@ -70,11 +70,16 @@ class ShardLoader:
         shard = self.shards[index]
         start = (self.step_chunk + self.micro * self.world + self.rank) * self.chunk_tokens
         ids = shard[start : start + self.chunk_tokens + 1]
-        # A shard not read up front (data.verify=size) may hold ids the embedding does not have: a
-        # max over the batch (microseconds) turns that into one line instead of an index error.
-        largest = int(ids.max())
-        if largest >= self.vocab_size:
-            raise DataError(self._out_of_vocabulary(index, largest))
+        if self.micro == 0:
+            # A shard not read up front (data.verify=size) may hold ids the embedding does not have:
+            # a max over the whole step's tokens, every rank's (microseconds), turns that into one
+            # line instead of an index error, on every rank at the same step (a rank that failed
+            # alone would leave its peers waiting in a collective until the group's timeout).
+            step = shard[self.step_chunk * self.chunk_tokens : (self.step_chunk + self.chunks_per_step)
+                         * self.chunk_tokens + 1]
+            largest = int(step.max())
+            if largest >= self.vocab_size:
+                raise DataError(self._out_of_vocabulary(index, largest))
         tokens = torch.from_numpy(ids.astype(np.int64))
         if self._pin:
             tokens = tokens.pin_memory()
