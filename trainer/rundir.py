@@ -24,7 +24,7 @@ from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_ch
 from trainer.config_keys import BATCH_KEYS, is_operational
 from trainer.env import restart_count
 from trainer.errors import UserError
-from trainer.io import dotted_keys, flock_holder, one_line, write_atomic
+from trainer.io import dotted_keys, flock_holder, new_file_mode, one_line, write_atomic
 from trainer.metrics import METRICS_FILE, read_metrics
 from trainer.writable import check_writable_dir
 
@@ -152,7 +152,7 @@ def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
     previous = read_record(run_dir)
     if previous is not None and json.dumps(previous, indent=2, sort_keys=True) == text:
         return None
-    write_atomic(path, text, mode=_new_file_mode())
+    write_atomic(path, text, mode=new_file_mode())
     if previous is None:
         return None
     was, now = dotted_keys(previous), dotted_keys(cfg_dict)
@@ -160,14 +160,6 @@ def write_config_record(run_dir: Path, cfg_dict: dict) -> str | None:
                if was.get(k) != now.get(k)]
     return (f"continuing the run in {run_dir} with changed settings: {', '.join(changed)} "
             f"({CONFIG_RECORD} updated)")
-
-
-def _new_file_mode() -> int:
-    """The permissions a plain new file gets under this process's umask (mkstemp's would be 0600;
-    the record stays readable by whoever could read it before)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def read_config_record(run_dir: Path) -> dict:
