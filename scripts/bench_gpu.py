@@ -19,6 +19,9 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
   `dtrain plan`'s estimate of it (trainer/memory.py), both models, micro batch 16 and 32, compile
   on and off.
 * modes: every parallel mode at world 1 (a one-process NCCL group) for a few steps.
+* choices: the settings whose defaults this benchmark chooses, each against dtrain's default step
+  of the same model and micro batch: `train.compile_mode=reduce-overhead` (CUDA graphs) and
+  `train.loss_chunks=4` (ms per step, allocator peak, loss after the same steps).
 
 Without a CUDA device (and no --device cpu) it prints one line and exits 2: nothing was measured.
 The data: tiny-shakespeare when ../shared/data has it, else the default dataset, prepared on
@@ -62,6 +65,9 @@ GiB = 1024**3
 MODELS = {"full": ("gpt2_124m", "llama_135m"), "tiny": ("tiny", "llama_tiny")}
 BATCHES = {"full": (16, 32, 64), "tiny": (2, 4, 8)}
 SEQ = {"full": 1024, "tiny": 64}
+# The settings whose defaults this benchmark chooses (trainer/config.py TrainConfig), tried one at a time.
+CHOICES = ("train.compile_mode=reduce-overhead", "train.loss_chunks=4")
+SECTIONS = ("memory", "modes", "throughput", "muon", "choices")
 
 
 def parse_args(argv):
@@ -74,8 +80,16 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3, help="alternations of dtrain and the bare loop")
     p.add_argument("--block", type=int, default=5, help="steps per block")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"which rows, comma-separated (default all: {','.join(SECTIONS)})")
+    p.add_argument("--batches", default=None,
+                   help="the micro batches of the throughput rows, comma-separated (default 16,32,64; tiny 2,4,8)")
     p.add_argument("overrides", nargs="*", help="dtrain config overrides (key=value), e.g. data.dir=...")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.sections = set(args.sections.split(","))
+    if not args.sections <= set(SECTIONS):
+        p.error(f"--sections: unknown {', '.join(sorted(args.sections - set(SECTIONS)))}; choose from {SECTIONS}")
+    return args
 
 
 class Bench:
@@ -87,6 +101,7 @@ class Bench:
         self.peak_flops = device_peak_flops(rt.device) if rt.device.type == "cuda" else None
         self.rows: list[dict] = []
         self.adamw_ms: dict[tuple, float] = {}
+        self.default_peak: dict[tuple, int] = {}
 
     def cfg(self, model: str, batch: int, *extra: str):
         data = []
@@ -101,10 +116,16 @@ class Bench:
 
     def row(self, section: str, case: str, dtrain: str, other: str = "-", ratio: str = "-", **figures) -> None:
         self.rows.append(dict(section=section, case=case, dtrain=dtrain, other=other, ratio=ratio, **figures))
+        # each row as it lands (and in --json): a run stopped at its time limit keeps what it measured
+        print(f"bench-gpu row | {section} | {case} | {dtrain} | {other} | {ratio}", flush=True)
+        if self.args.json:
+            self.args.json.write_text(json.dumps({"rows": self.rows}, indent=1, default=str))
 
     def guarded(self, section: str, case: str, measure, expected_s: float = 0.0) -> None:
         """Run one row's measurement unless the budget is spent or too short for what a row like
         it took before (`expected_s`); a failure is a row, not the end."""
+        if section not in self.args.sections:
+            return
         left = self.deadline - time.monotonic()
         if left <= 0 or left < expected_s:
             self.row(section, case, f"skipped: {max(0.0, left):.0f} s of the budget left")
@@ -125,6 +146,7 @@ class Bench:
         interest (micro batch 32, Muon, 16, 64), each only when a row like it still fits."""
         models, batches = MODELS[self.size], BATCHES[self.size]
         mid = batches[1]
+        chosen = [int(b) for b in self.args.batches.split(",")] if self.args.batches else batches
         for model in models:
             for batch in batches[:2]:
                 self.guarded("memory", f"{model} B={batch} eager", lambda m=model, b=batch: self.memory(m, b))
@@ -133,13 +155,16 @@ class Bench:
             self.guarded("modes", f"{mode} world 1", lambda m=mode: self.mode(m, models[0], batches[0]))
         self.rt = plain  # dtrain's none against the bare loop: no process group for either
         took = 0.0
-        for batch in (mid, batches[0], batches[2]):
+        for batch in sorted(chosen, key=lambda b: (b != mid, b)):  # the middle batch first, then by size
             for model in models:
                 t0 = time.monotonic()
                 self.guarded("throughput", f"{model} B={batch}", lambda m=model, b=batch: self.throughput(m, b), took)
                 took = max(took, time.monotonic() - t0)
             if batch == mid:
                 self.guarded("muon", f"{models[0]} B={mid}", lambda: self.muon(models[0], mid), took / 2)
+                for choice in (c for c in CHOICES if self.compile or "compile_mode" not in c):  # needs compile
+                    self.guarded("choices", f"{models[0]} B={mid} {choice}",
+                                 lambda c=choice: self.choice(models[0], mid, c), took / 2)
         return self.rows
 
     def throughput(self, model: str, batch: int) -> None:
@@ -182,6 +207,7 @@ class Bench:
                              gpu_busy=kernel_s / s if kernel_s is not None else None,
                              forward_host_ms=forward_host_s * 1e3 if forward_host_s is not None else None)
         self.adamw_ms[(model, batch)] = fig["dtrain"]["ms"]
+        self.default_peak[(model, batch)] = measured_peak
         ratio = fig["dtrain"]["tokens_per_s"] / fig["bare"]["tokens_per_s"]
         self.row("throughput", f"{model} B={batch}", _speed(fig["dtrain"]), _speed(fig["bare"]), f"{ratio:.3f}x",
                  figures=fig)
@@ -233,6 +259,37 @@ class Bench:
         self.row("muon", f"{model} B={batch} optim=muon", f"{ms:.1f} ms/step",
                  f"adamw {adamw:.1f} ms/step" if adamw else "-", f"{ms / adamw:.3f}x" if adamw else "-",
                  figures=dict(muon_ms=ms, adamw_ms=adamw))
+
+    def choice(self, model: str, batch: int, override: str) -> None:
+        """dtrain's step with one setting changed, against its default step (the throughput row)."""
+        cfg = self.cfg(model, batch, override)
+        with tempfile.TemporaryDirectory(prefix="dtrain-bench-gpu-") as run_dir:
+            peak = PeakMemory(self.rt.device)
+            peak.start()
+            run = Run(cfg, self.rt, Path(run_dir))
+            steplog, metrics = step_bookkeeping(run, Path(run_dir))
+            done = [0]
+
+            def steps(n):
+                for _ in range(n):
+                    loss, *rest = run.train_step(done[0])
+                    steplog.after_step(loss, *rest)
+                    done[0] += 1
+                    done.append(loss)
+
+            steps(self.args.warmup + 2)  # CUDA graphs record after warm-up runs of their own
+            sync(self.rt.device)
+            measured_peak = peak.peak_growth()
+            ms = statistics.median(self.alternate({override: steps})[override]) * 1e3
+            loss = float(done[-1])
+            metrics.close()
+        base_ms, base_peak = self.adamw_ms.get((model, batch)), self.default_peak.get((model, batch))
+        other = f"default {base_ms:.1f} ms/step, {base_peak / GiB:.2f} GiB" if base_ms and base_peak else "-"
+        self.row("choices", f"{model} B={batch} {override}",
+                 f"{ms:.1f} ms/step, {measured_peak / GiB:.2f} GiB, loss {loss:.4f} at step {done[0]}", other,
+                 f"{ms / base_ms:.3f}x" if base_ms else "-",
+                 figures=dict(ms=ms, peak_bytes=measured_peak, loss=loss, steps=done[0],
+                              default_ms=base_ms, default_peak_bytes=base_peak))
 
     def memory(self, model: str, batch: int) -> None:
         cfg = self.cfg(model, batch, "train.compile=false")

@@ -1,4 +1,4 @@
-"""`dtrain plan` for a CUDA run from a host without a GPU: the one measured peak within 15%, and the
+"""`dtrain plan` for a CUDA run from a host without a GPU: every measured peak within 5%, and the
 estimate follows train.compile, train.activation_checkpointing and train.loss_chunks."""
 
 from __future__ import annotations
@@ -11,9 +11,19 @@ from trainer.memory import estimate
 
 GiB = 1024**3
 GPT2_32 = ["model=gpt2_124m", "model.pad_vocab_multiple=64", "train.micro_batch_size=32", "train.seq_len=1024"]
-# torch.cuda.max_memory_allocated of dtrain's step, gpt2_124m 32 x 1024 bf16 compiled, parallel=none,
-# one H100 80GB, torch 2.11.0+cu130 (issue 31; build-nanogpt's loop: 21.3 GiB)
-MEASURED_COMPILED_32 = 21.2 * GiB
+# torch.cuda.max_memory_allocated of dtrain's step, bf16, seq 1024, parallel=none, one H100 80GB HBM3,
+# torch 2.11.0+cu130: `make bench-gpu` of 2026-11-26 (scripts/bench_gpu.py's memory and choices rows)
+MEASURED = {
+    ("gpt2_124m", 16, ()): 17_228_676_096,
+    ("gpt2_124m", 32, ()): 32_593_067_008,
+    ("llama_135m", 16, ()): 23_597_929_984,
+    ("llama_135m", 32, ()): 45_262_272_000,
+    ("gpt2_124m", 16, ("train.compile=true",)): 12_229_544_960,
+    ("gpt2_124m", 32, ("train.compile=true",)): 22_705_157_120,
+    ("llama_135m", 16, ("train.compile=true",)): 17_117_147_648,
+    ("llama_135m", 32, ("train.compile=true",)): 32_327_070_208,
+    ("gpt2_124m", 32, ("train.compile=true", "train.loss_chunks=4")): 16_246_297_600,
+}
 
 
 def cuda_estimate(*overrides, mode="none", world=1):
@@ -21,9 +31,13 @@ def cuda_estimate(*overrides, mode="none", world=1):
     return estimate(cfg, mode, world, cfg.train.micro_batch_size, "cuda")
 
 
-def test_the_measured_compiled_peak_within_15_percent():
-    est = cuda_estimate(*GPT2_32, "train.compile=true").allocated
-    assert abs(est / MEASURED_COMPILED_32 - 1) <= 0.15, f"estimate {est / GiB:.2f} GiB, measured 21.2 GiB"
+@pytest.mark.parametrize(("model", "micro_batch", "settings"), list(MEASURED), ids=lambda v: str(v))
+def test_every_measured_peak_within_5_percent(model, micro_batch, settings):
+    """The issue asks for 15%; every measured case is within 2.5%, so a 5% bound catches a drift."""
+    est = cuda_estimate(f"model={model}", "model.pad_vocab_multiple=64", f"train.micro_batch_size={micro_batch}",
+                        "train.seq_len=1024", *settings).allocated
+    measured = MEASURED[(model, micro_batch, settings)]
+    assert abs(est / measured - 1) <= 0.05, f"estimate {est / GiB:.2f} GiB, measured {measured / GiB:.2f} GiB"
 
 
 @pytest.mark.parametrize("model", ["gpt2_124m", "llama_135m"])

@@ -9,6 +9,7 @@ from importlib.metadata import version
 import torch
 from conftest import MODE_RUNS, REFERENCE_BATCH, REPO, read_metrics
 
+import trainer
 from trainer.provenance import describe, git_commit
 
 
@@ -17,7 +18,7 @@ def test_the_summary_names_what_ran(shared_run):
     record = [r for r in read_metrics(run_dir) if "summary" in r][-1]
     ran = record["ran"]  # beside the summary's figures, which trackers log, not among them
     assert "ran" not in record["summary"]
-    assert ran["dtrain"] == version("dtrain") and ran["torch"] == torch.__version__
+    assert ran["dtrain"] == version("dtrain") == trainer.__version__ and ran["torch"] == torch.__version__
     assert ran["world"] == 2 and ran["device_count"] == 2 and ran["device"]
     if (REPO / ".git").exists():
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)

@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from rich.console import Console
 from rich.markup import escape
 
+import trainer
 from trainer.errors import Stopped, UserError, WorkerFailed
 
 # name -> one-line help. Each command is trainer.commands.<name>.cmd_<name>(argv).
@@ -57,7 +58,7 @@ def version_line() -> str:
         except PackageNotFoundError:
             return "not installed"
 
-    return (f"dtrain {installed('dtrain')} (torch {installed('torch')}, hydra-core {installed('hydra-core')}, "
+    return (f"dtrain {trainer.__version__} (torch {installed('torch')}, hydra-core {installed('hydra-core')}, "
             f"python {platform.python_version()})")
 
 

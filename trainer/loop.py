@@ -297,7 +297,10 @@ class StepLog:
 
     tokens/s is measured in windows that end at a logged step and restart after evaluation or a
     checkpoint, so it is training throughput; the summary's "training steps" figure is the same
-    measure over all the windows, its wall-clock figure also counts the time between them."""
+    measure over all the windows but the session's first step, which holds torch.compile's
+    compilation and the allocator's warm-up (23 s of a 30-step compiled gpt2_124m run on an H100:
+    with it the figure read 16,828 tok/s against the step lines' 360,000); its wall-clock figure
+    counts everything."""
 
     def __init__(self, run: Run, metrics: MetricsLogger, view: ProgressView):
         self.run, self.metrics, self.view = run, metrics, view
@@ -311,6 +314,7 @@ class StepLog:
         self.trained_tokens = 0
         self.window_tokens = 0  # tokens and seconds of the windows closed at a logged step
         self.window_seconds = 0.0
+        self.warmup_window: tuple[int, float] | None = None  # the first step's (see the docstring)
         self.t_first = time.perf_counter()  # the training's start (ETA and the wall-clock figure)
         self.restart_window(self.t_first)
 
@@ -330,8 +334,11 @@ class StepLog:
         loss_value = float(loss)  # reduced over ranks and read by the step's check: no extra sync
         now = time.perf_counter()
         tokens_per_s = self.tokens_window / (now - self.t_window)
-        self.window_tokens += self.tokens_window
-        self.window_seconds += now - self.t_window
+        if self.warmup_window is None:
+            self.warmup_window = (self.tokens_window, now - self.t_window)
+        else:
+            self.window_tokens += self.tokens_window
+            self.window_seconds += now - self.t_window
         self.restart_window(now)
         if finite:
             state.last_loss = loss_value
@@ -357,7 +364,11 @@ class StepLog:
         return (now - self.t_first) / done * (self.max_steps - self.run.state.step)
 
     def training_tokens_per_s(self) -> float:
-        return self.window_tokens / self.window_seconds if self.window_seconds > 0 else 0.0
+        """Over every logged window but the first step's; a session of one window has only that one."""
+        tokens, seconds = self.window_tokens, self.window_seconds
+        if seconds <= 0 and self.warmup_window is not None:
+            tokens, seconds = self.warmup_window
+        return tokens / seconds if seconds > 0 else 0.0
 
 
 def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:

@@ -31,22 +31,25 @@ a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the bloc
   ReLU squared 3). GPT-2's block: 38 C bytes per token.
 * compiled (inductor): elementwise ops are fused and recomputed in the backward from what they
   read, so only the residuals, the matmul outputs and SDPA's output stay: 2 r C + a (C + 2 kv)
-  + a C + a x c_fc's width. GPT-2's block: 24 C.
+  + a C + a x c_fc's width, and for SwiGLU also the gated product c_proj reads (a H). GPT-2's
+  block: 24 C.
 * the loss over B x T x V: eager keeps log-softmax's fp32 output, and its backward holds its
   incoming and outgoing fp32 gradients beside it (12 bytes per logit); compiled keeps the bf16
   logits and the backward holds an fp32 and a bf16 gradient (8 bytes per logit; this is the
   figure calibrated against the one measurement: gpt2_124m at 32 x 1024 compiled,
   pad_vocab_multiple=64, torch 2.11, H100: 21.2 GiB, estimated 20.7). With train.loss_chunks=k
-  one piece's logits at a time (12 bytes per logit of B x T / k positions) plus the input's
-  gradient (4 C per token) and the head weight's (fp32) kept from the forward.
+  one piece's logits at a time (16 bytes per logit of B x T / k positions on CUDA, 12 on a CPU)
+  plus the input's gradient (4 C per token) and the head weight's (fp32) kept from the forward.
 * bf16 copies of the weights (autocast casts each weight once per forward and the matmuls keep
   the copies for the backward), fused AdamW (no per-tensor temporaries).
 * train.activation_checkpointing: each block keeps its fp32 input; one block's activations are
   rebuilt at a time in the backward.
 
-Only the compiled gpt2_124m 32 x 1024 figure was measured; eager, llama_135m and micro batch 16
-are estimates from the same model until `make bench-gpu` (scripts/bench_gpu.py) prints them
-beside max_memory_allocated.
+Measured by `make bench-gpu` (scripts/bench_gpu.py, H100, torch 2.11, 2026-11-26), plan over
+max_memory_allocated: eager gpt2_124m 1.008x (B=16) and 1.012x (B=32), llama_135m 1.019x and
+1.021x; compiled gpt2_124m 0.978x and 0.977x, llama_135m 0.981x and 0.980x (0.893x and 0.887x
+before the SwiGLU product's term); gpt2_124m B=32 compiled with train.loss_chunks=4 0.975x (0.873x
+before the CUDA piece's own bytes per logit).
 """
 
 from __future__ import annotations
@@ -161,6 +164,10 @@ HEAD_ACT_PER_V = 3.0  # fp32 log-softmax, its gradient and the logits' gradient,
 # log-softmax and holds its two fp32 gradients; compiled keeps the bf16 logits and holds an fp32
 # and a bf16 gradient (calibrated: gpt2_124m, 32 x 1024, H100, torch 2.11)
 CUDA_HEAD_EAGER, CUDA_HEAD_COMPILED = 12, 8
+# train.loss_chunks on CUDA, bytes per logit of one piece: its bf16 logits and their fp32 copy, the
+# softmax, the fp32 gradient and its bf16 cast (measured: gpt2_124m 32 x 1024, 4 pieces, H100:
+# 15.13 GiB; 12 bytes, the CPU's fp32 figure, planned 13.22)
+CUDA_CHUNK_PER_LOGIT = 16
 ROOT_COPIES_TIED, ROOT_COPIES_UNTIED = 6.0, 1.5  # FSDP's root unit in flight (see estimate)
 CPU_RUNTIME = 100 * 1024**2  # library code, kernels and thread pools a worker touches, allocator slack
 CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocator slack (not in max_memory_allocated)
@@ -344,7 +351,9 @@ def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: i
     if device_type == "cuda":
         residual = 4 if act == 2 else act  # autocast adds bf16 outputs to an fp32 residual stream
         if t.compile:
-            fc_out = shape.hidden * (2 if shape.mlp == "swiglu" else 1)
+            # SwiGLU: gate and up, and inductor keeps their product (c_proj's input) rather than
+            # recompute it (llama_135m on an H100: 2.4 H bytes a token per block more than gate + up)
+            fc_out = shape.hidden * (3 if shape.mlp == "swiglu" else 1)
             per_token = 2 * residual * C + act * (C + 2 * kv + C + fc_out)
         else:
             rope = C + kv if shape.pos == "rope" else 0
@@ -367,7 +376,8 @@ def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: i
     if chunks > 1:
         # one piece's logits at a time (fp32 scores, softmax, gradient), and the gradients the
         # forward made: the head input's (fp32 under autocast) and the weight's (fp32)
-        head = HEAD_ACT_PER_V * 4 * V * -(-tokens // chunks) + 4 * C * tokens + 4 * V * C
+        per_logit = CUDA_CHUNK_PER_LOGIT if device_type == "cuda" else HEAD_ACT_PER_V * 4
+        head = per_logit * V * -(-tokens // chunks) + 4 * C * tokens + 4 * V * C
     else:
         head = head_per_logit * V * tokens
     return int(blocks + head)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
+import trainer
 from trainer.runtime import Runtime
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ def what_ran(rt: Runtime) -> dict:
         device, count = torch.cuda.get_device_name(rt.device), rt.world
     else:
         device, count = _cpu_name(), rt.world  # one CPU process per rank
-    return {"dtrain": _installed("dtrain"), "git": git_commit(SOURCE_DIR), "torch": torch.__version__,
+    return {"dtrain": trainer.__version__, "git": git_commit(SOURCE_DIR), "torch": torch.__version__,
             "device": device, "device_count": count, "world": rt.world}
 
 
@@ -47,13 +47,6 @@ def git_commit(folder: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
-
-
-def _installed(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _cpu_name() -> str:

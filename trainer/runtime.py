@@ -146,5 +146,7 @@ def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, th
         if store is None:
             dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
         else:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            # device_id binds NCCL's communicator to this rank's GPU (else every barrier() warns)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if backend == "nccl" else None)
     return Runtime(rank, local_rank, world, local_world, device, distributed)
