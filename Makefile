@@ -12,7 +12,7 @@ TORCH_FLOOR := torch==2.11.0
 # a user who only trains gets no transformers, lm-eval, trackers or linters.
 TRAIN_EXTRAS := plot
 TEST_EXTRAS := dev,test,plot,tensorboard,export,harness,wandb,mlflow,optuna
-SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.eval_interval=3 train.eval_batches=2 \
+SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.val_interval=3 train.val_batches=2 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
 .PHONY: help setup setup-test setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
@@ -47,7 +47,7 @@ train: setup ## train a small GPT on the embedded Shakespeare dataset (experimen
 	$(DTRAIN) train experiment=shakespeare_cpu $(ARGS)
 
 sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a DDP run at world 2 (multirun/)
-	$(DTRAIN) train -m model=tiny train.max_steps=40 train.log_interval=2 train.eval_interval=10 \
+	$(DTRAIN) train -m model=tiny train.max_steps=40 train.log_interval=2 train.val_interval=10 \
 	    train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=0 train.progress=false \
 	    'optim.lr=1e-3,3e-3' parallel=ddp world=2 $(ARGS)
 

@@ -94,7 +94,7 @@ def base_overrides(args) -> list[str]:
         if LOCAL_TINYSHAKESPEARE.exists():
             data = ["data=tinyshakespeare", f"data.source={LOCAL_TINYSHAKESPEARE}"]
     return [*model, *data, f"train.micro_batch_size={args.micro_batch}", f"train.seq_len={args.seq_len}",
-            "train.max_steps=1000", "train.sample_tokens=0", "train.progress=false", "train.eval_interval=0",
+            "train.max_steps=1000", "train.sample_tokens=0", "train.progress=false", "train.val_interval=0",
             *args.overrides]
 
 

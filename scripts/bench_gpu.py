@@ -110,8 +110,8 @@ class Bench:
         return compose([f"model={model}", "model.pad_vocab_multiple=64", f"train.micro_batch_size={batch}",
                         f"train.seq_len={SEQ[self.size]}", "train.grad_accum_steps=1",
                         f"train.device={self.args.device}",
-                        "train.max_steps=100000", "train.sample_tokens=0", "train.eval_interval=0",
-                        "train.eval_batches=0", "train.progress=false", "optim.warmup_steps=10",
+                        "train.max_steps=100000", "train.sample_tokens=0", "train.val_interval=0",
+                        "train.val_batches=0", "train.progress=false", "optim.warmup_steps=10",
                         f"train.compile={str(self.compile).lower()}", *data, *self.args.overrides, *extra])
 
     def row(self, section: str, case: str, dtrain: str, other: str = "-", ratio: str = "-", **figures) -> None:

@@ -5,7 +5,7 @@ experiment=shakespeare_fast (Muon), one after the other on this machine.
                                                    [-- extra overrides for both runs]
 
 Both runs get the same eval settings (validation every --eval-interval steps, the experiments'
-eval_batches) and no sample or periodic checkpoint, so the clock is training and evaluation alike.
+val_batches) and no sample or periodic checkpoint, so the clock is training and evaluation alike.
 The target is the validation loss shakespeare_cpu ends at; its time is that final evaluation's.
 shakespeare_fast's time is its first evaluation at or below the target. Times come from each run's
 metrics.jsonl: from the start of step 1 (its record's time minus its own duration) to the
@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = ("shakespeare_cpu", "shakespeare_fast")
 
 
-def train(experiment: str, run_dir: Path, eval_interval: int, extra: list[str]) -> list[dict]:
+def train(experiment: str, run_dir: Path, val_interval: int, extra: list[str]) -> list[dict]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "trainer", "train", f"experiment={experiment}", f"hydra.run.dir={run_dir}",
-           f"train.eval_interval={eval_interval}", "train.sample_tokens=0", "checkpoint.interval=0",
+           f"train.val_interval={val_interval}", "train.sample_tokens=0", "checkpoint.interval=0",
            "train.progress=false", "resume=never", *extra]
     print("$ dtrain " + " ".join(cmd[3:]), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -54,8 +54,8 @@ def main() -> int:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="dtrain_time_to_loss_"))
     try:
-        base = train(RUNS[0], out / RUNS[0], args.eval_interval, args.extra)
-        fast = train(RUNS[1], out / RUNS[1], args.eval_interval, args.extra)
+        base = train(RUNS[0], out / RUNS[0], args.val_interval, args.extra)
+        fast = train(RUNS[1], out / RUNS[1], args.val_interval, args.extra)
     finally:
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)

@@ -44,7 +44,7 @@ INTERVAL = 5  # steps between checkpoints
 
 def run_args(run_dir: Path, steps: int, overrides: list[str]) -> list[str]:
     return ["train", "model=tiny", "parallel=ddp", "world=2", f"train.max_steps={steps}", "train.log_interval=1",
-            "train.eval_interval=0", "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4",
+            "train.val_interval=0", "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4",
             "train.seq_len=64", "optim.warmup_steps=5", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=3",
             "launch.max_restarts=3", f"hydra.run.dir={run_dir}", *overrides]
 

@@ -79,7 +79,7 @@ def test_compile_with_validation_hellaswag_and_sampling(data_dir, tmp_path):
     hs.write_text("".join(json.dumps({"ctx": f"the king {i}", "endings": ["a", "b c", "d", "e f g"],
                                       "label": i % 4}) + "\n" for i in range(8)))
     proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "train.compile=true", "train.max_steps=4",
-                                "train.eval_interval=2", "eval.interval=2", f"eval.hellaswag.path={hs}",
+                                "train.val_interval=2", "eval.hellaswag.interval=2", f"eval.hellaswag.path={hs}",
                                 "train.sample_tokens=8"), check=True)
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]

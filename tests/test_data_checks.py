@@ -251,7 +251,7 @@ def test_a_val_split_smaller_than_one_batch_is_refused_before_anything_is_writte
     root = prepared(tmp_path, val_fraction=0.001)
     line = refused_run(root, tmp_path, "data.val_fraction=0.001")
     assert "val split of dataset 'corpus' holds at most" in line and "one validation batch needs 257" in line
-    assert "data.val_fraction" in line and "train.eval_batches=0" in line
+    assert "data.val_fraction" in line and "train.val_batches=0" in line
 
 
 def test_train_shards_smaller_than_one_step_are_refused_before_anything_is_written(tmp_path):

@@ -30,7 +30,7 @@ def test_gpt2_124m_fineweb_is_the_reference_recipe():
     assert (t.total_batch_size, t.seq_len, t.micro_batch_size, t.max_steps) == (524288, 1024, 64, 19073)
     assert (o.lr, o.min_lr, o.warmup_steps, o.weight_decay, list(o.betas), o.grad_clip) == (
         6e-4, 6e-5, 715, 0.1, [0.9, 0.95], 1.0)
-    assert (t.eval_interval, cfg.eval.interval, cfg.checkpoint.interval) == (250, 250, 5000)
+    assert (t.val_interval, cfg.eval.hellaswag.interval, cfg.checkpoint.interval) == (250, 250, 5000)
     # the same 2^19-token step on 8 GPUs (no accumulation) or on one (8 micro-steps)
     assert batch_plan(cfg, 8).grad_accum_steps == 1 and batch_plan(cfg, 1).grad_accum_steps == 8
 

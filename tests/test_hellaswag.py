@@ -356,13 +356,13 @@ def test_eval_command_errors(trained_run, tmp_path):
 # --- during training ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, trained_run, tmp_path):
-    """eval.interval under ddp world 2 logs the three keys every 10 steps and at the last; then
+    """eval.hellaswag.interval under ddp world 2 logs the three keys every 10 steps and at the last; then
     `dtrain eval RUN_DIR` (no ckpt=: the newest checkpoint, written at the end of the run) scores
     the final weights on one process with exactly the counts logged at the last step."""
     run_dir = tmp_path / "run"
     hs = [f"eval.hellaswag.path={trained_run['files']['all']}", "eval.limit=20"]
     proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=15",
-                                "eval.interval=10", "eval.hellaswag.batch_examples=3", *hs))
+                                "eval.hellaswag.interval=10", "eval.hellaswag.batch_examples=3", *hs))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     logged = [r for r in read_metrics(run_dir) if "hellaswag_acc" in r]
     assert [r["step"] for r in logged] == [10, 15]

@@ -179,7 +179,7 @@ def test_debug_preset_through_a_pipe_shows_each_step_as_it_goes(data_dir, tmp_pa
     env.pop("PYTHONUNBUFFERED", None)
     args = ["train", "experiment=debug", "data=text", "data.name=corpus", f"data.dir={data_dir}",
             "train.sample_tokens=0", f"hydra.run.dir={run_dir}",
-            "train.eval_interval=0"]  # validation at the end only: its line would flush the step lines before it
+            "train.val_interval=0"]  # validation at the end only: its line would flush the step lines before it
     with (tmp_path / "stderr.txt").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=err)

@@ -27,7 +27,7 @@ def png_size(path: Path) -> tuple[int, int]:
 def run_dir(data_dir, tmp_path_factory) -> Path:
     """One real short run (val loss every 5 steps) shared by this module's tests."""
     run = tmp_path_factory.mktemp("report") / "run"
-    run_dtrain(tiny_args(data_dir, run, "train.eval_interval=5"), check=True)
+    run_dtrain(tiny_args(data_dir, run, "train.val_interval=5"), check=True)
     return run
 
 

@@ -109,7 +109,7 @@ def test_every_schema_key_is_trajectory_or_operational_once():
     both = [k for k in keys if _matches(k, TRAJECTORY) and _matches(k, OPERATIONAL)]
     neither = [k for k in keys if key_kind(k) is None]
     assert not both and not neither, (both, neither)
-    for key in ("checkpoint.keep", "checkpoint.interval", "train.log_interval", "train.eval_interval",
+    for key in ("checkpoint.keep", "checkpoint.interval", "train.log_interval", "train.val_interval",
                 "eval.hellaswag.path", "logger", "world", "parallel.mode"):
         assert key_kind(key) == "operational", key
     for key in ("train.max_steps", "optim.lr", "optim.muon.lr", "train.seed", "model.n_layer", "data.name",

@@ -28,7 +28,7 @@ from trainer.sweep import SUMMARY_FILE, identity
 def sweep_args(data_dir: Path, *extra: str) -> list[str]:
     """A tiny-model sweep on the session dataset (the sweep values come in `extra`)."""
     return ["train", "-m", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.max_steps=6", "train.log_interval=1", "train.eval_interval=3", "train.eval_batches=2",
+            "train.max_steps=6", "train.log_interval=1", "train.val_interval=3", "train.val_batches=2",
             "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
             "optim.warmup_steps=2", *extra]
 

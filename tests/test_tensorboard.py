@@ -24,7 +24,7 @@ def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 def test_tensorboard_logger_writes_the_metrics_as_scalars(data_dir, tmp_path):
     run = tmp_path / "run"
-    run_dtrain(tiny_args(data_dir, run, "logger=tensorboard", "train.max_steps=8", "train.eval_interval=4"),
+    run_dtrain(tiny_args(data_dir, run, "logger=tensorboard", "train.max_steps=8", "train.val_interval=4"),
                check=True)
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     tb = scalars(run / "tensorboard")

@@ -122,7 +122,7 @@ def test_wandb_and_mlflow_log_what_metrics_jsonl_holds(data_dir, tmp_path):
     pytest.importorskip("tensorboard")
     run, env = tmp_path / "run", tracker_env(tmp_path)
     run_dtrain(tiny_args(data_dir, run, "logger=[tensorboard,wandb,mlflow]", "train.max_steps=8",
-                         "train.eval_interval=4"), check=True, env=env)
+                         "train.val_interval=4"), check=True, env=env)
     expected = jsonl_series(run)
     assert set(expected) == set(NUMBERS) and [s for s, _ in expected["loss"]] == list(range(1, 9))
     summary = read_metrics(run)[-1]["summary"]

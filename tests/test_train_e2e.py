@@ -17,7 +17,7 @@ from test_checkpoint import CKPT_ARGS, references  # noqa: F401  (references: th
 def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=30", "train.log_interval=5",
-                                "train.eval_interval=10", "train.sample_tokens=12", "optim.lr=2e-3"), check=True)
+                                "train.val_interval=10", "train.sample_tokens=12", "optim.lr=2e-3"), check=True)
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]

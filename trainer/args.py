@@ -21,6 +21,10 @@ class ArgParser(argparse.ArgumentParser):
 
     Positionals and flags may come in any order (`dtrain plan model=tiny --device-memory 8GiB
     world=2`), so a command can take `key=value` overrides as a positional with nargs="*".
+
+    One grammar for every command: each flag may also be written as `name=value`, the way config
+    keys are (`dtrain sample RUN tokens=50 top_k=10` is `--tokens 50 --top-k 10`; a switch takes
+    `name=true|false`). Only a flag's own name is rewritten, so dotted config keys pass through.
     """
 
     def __init__(self, prog: str, description: str, usage: str | None = None):
@@ -37,13 +41,37 @@ class ArgParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace=None) -> argparse.Namespace:
         # Intermixed: plain argparse stops filling a nargs="*" positional at the first flag, so
         # overrides after a flag would be "unrecognized".
-        parsed, extras = self.parse_known_intermixed_args(args, namespace)
+        parsed, extras = self.parse_known_intermixed_args(self._flags_from_key_values(args), namespace)
         if extras:
             extra = extras[0]
             if extra.startswith("-"):
                 self.error(f"unknown flag {extra!r}")
             self.error(f"unexpected argument {extra!r}")
         return parsed
+
+    def _flags_from_key_values(self, args: Sequence[str] | None) -> list[str] | None:
+        """`name=value` -> `--name value` for this parser's own flags (`top_k` is `--top-k`)."""
+        if args is None:
+            return None
+        flags = {opt: action for action in self._actions for opt in action.option_strings if opt.startswith("--")}
+        out: list[str] = []
+        for arg in args:
+            name, eq, value = arg.partition("=")
+            flag = "--" + name.replace("_", "-")
+            action = flags.get(flag) if eq and not arg.startswith("-") else None
+            if action is None or flag == "--help":
+                out.append(arg)
+            elif action.nargs == 0:  # a switch: store_true and friends
+                if value.lower() not in SWITCH_VALUES:
+                    self.error(f"{name}={value!r}: a switch takes {'/'.join(SWITCH_VALUES)}")
+                if SWITCH_VALUES[value.lower()]:
+                    out.append(flag)
+            else:
+                out.append(f"{flag}={value}")  # one token: a value that starts with '-' stays a value
+        return out
+
+
+SWITCH_VALUES = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 
 def folder_to_write(text: str) -> Path:

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import itertools
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
+from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, apply_renamed_keys, register_configs, schema_keys
 from trainer.config_keys import run_identity
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
 JOB_NAME = "dtrain"
+_NOTICED: set[str] = set()  # renamed-key notices this process printed (compose)
 # Hydra's own command-line flags, passed through untouched (the rest are key=value overrides).
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                           "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
@@ -244,6 +246,10 @@ def compose(overrides: list[str], return_hydra_config: bool = False,
     finally:
         GlobalHydra.instance().clear()
     check_schema_keys(cfg)
+    for notice in apply_renamed_keys(cfg):
+        if notice not in _NOTICED:  # once per command, not once per sweep point
+            _NOTICED.add(notice)
+            print(f"dtrain: {notice}", file=sys.stderr)
     return cfg
 
 

@@ -204,8 +204,10 @@ class TrainConfig:
     seq_len: int = 128
     total_batch_size: Optional[int] = None  # tokens per optimizer step; null = derived
     grad_accum_steps: Optional[int] = None  # null = derived from total_batch_size
-    eval_interval: int = 100  # validation loss every N steps (0 = never; always at the end)
-    eval_batches: int = 8
+    val_interval: int = 100  # validation loss every N steps (0 = never; always at the end)
+    val_batches: int = 8  # micro batches of the val split each validation reads (0 = no validation)
+    eval_interval: Optional[int] = None  # the old name of val_interval (RENAMED_KEYS)
+    eval_batches: Optional[int] = None  # the old name of val_batches (RENAMED_KEYS)
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
@@ -250,11 +252,12 @@ class HellaswagConfig:
     url: str = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
     sha256: Optional[str] = None
     batch_examples: int = 8
+    interval: int = 0  # HellaSwag during training every N steps (0 = never; `dtrain eval` any time)
 
 
 @dataclass
 class EvalConfig:
-    interval: int = 0  # HellaSwag every N steps (0 = never during training)
+    interval: Optional[int] = None  # the old name of eval.hellaswag.interval (RENAMED_KEYS)
     limit: Optional[int] = None  # at most this many examples
     hellaswag: HellaswagConfig = field(default_factory=HellaswagConfig)
 
@@ -315,10 +318,37 @@ def to_dict(cfg: DictConfig) -> dict:
 
 
 def from_dict(data: dict) -> DictConfig:
-    """Rebuild a typed config from plain data (the inverse of to_dict)."""
+    """Rebuild a typed config from plain data (the inverse of to_dict); a record written under a
+    key's old name (RENAMED_KEYS) reads as the new one."""
     schema = OmegaConf.structured(Config)
     data = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
-    return OmegaConf.merge(schema, data)
+    cfg = OmegaConf.merge(schema, data)
+    apply_renamed_keys(cfg)
+    return cfg
+
+
+# Keys renamed so that a name says what it is: validation loss (train.val_*) is not HellaSwag
+# (eval.*). The old names still work, with a notice: the schema keeps them as None, and every
+# composed or recorded config moves a value given under an old name to the new one.
+RENAMED_KEYS = {
+    "train.eval_interval": "train.val_interval",
+    "train.eval_batches": "train.val_batches",
+    "eval.interval": "eval.hellaswag.interval",
+}
+
+
+def apply_renamed_keys(cfg: DictConfig) -> list[str]:
+    """Move values set under an old name (RENAMED_KEYS) to the new one (the old name wins: it is
+    what the user wrote); returns one notice per old name used."""
+    notices = []
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(cfg, old, default=None)
+        if value is None:
+            continue
+        OmegaConf.update(cfg, new, value, merge=False)
+        OmegaConf.update(cfg, old, None, merge=False)
+        notices.append(f"{old} is now {new} (the old name still works; {new}={value} is what it set)")
+    return notices
 
 
 @dataclass(frozen=True)

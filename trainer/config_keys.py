@@ -41,7 +41,8 @@ OPERATIONAL = (
     "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
-    "train.log_interval", "train.eval_interval", "train.eval_batches", "train.progress",
+    "train.log_interval", "train.val_interval", "train.val_batches", "train.progress",
+    "train.eval_interval", "train.eval_batches",  # the old names of the two before (config.RENAMED_KEYS)
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",

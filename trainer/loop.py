@@ -77,7 +77,7 @@ class Run:
         self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
         self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
         self.val_loader = None
-        if cfg.data.val_fraction > 0 and cfg.train.eval_batches > 0:
+        if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:
             self.val_loader = self._val_loader()
         self.forward = self.model
         if cfg.train.compile:
@@ -88,13 +88,13 @@ class Run:
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
     def _val_loader(self) -> ShardLoader:
-        """Validation reads the first eval_batches micro batches (rounded up to whole rounds of
+        """Validation reads the first val_batches micro batches (rounded up to whole rounds of
         `world`, so every world size scores the same tokens), or as many as the split holds."""
         t = self.cfg.train
         shards = open_split(self.cfg.data, "val")
         chunk = t.micro_batch_size * t.seq_len
         available = max((len(s) - 1) // chunk for s in shards) // self.rt.world
-        rounds = max(1, min(math.ceil(t.eval_batches / self.rt.world), available))
+        rounds = max(1, min(math.ceil(t.val_batches / self.rt.world), available))
         return self._loader("val", rounds, shuffle=False, shards=shards)
 
     def _loader(self, split: str, accum: int, shuffle: bool, shards=None) -> ShardLoader:
@@ -172,7 +172,7 @@ class Run:
 
     @torch.no_grad()
     def val_loss(self) -> float:
-        """Mean loss over the first eval_batches micro batches of the val split, all ranks."""
+        """Mean loss over the first val_batches micro batches of the val split, all ranks."""
         model = self.strategy.inference_model(self.model)
         model.eval()
         self.val_loader.reset()
@@ -202,7 +202,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
 
 def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
     hellaswag = None
-    if cfg.eval.interval > 0:  # the examples are read and tokenized once per run, not per eval
+    if cfg.eval.hellaswag.interval > 0:  # the examples are read and tokenized once per run, not per eval
         hellaswag = HellaSwagEval.from_config(cfg, rt)
     run = Run(cfg, rt, run_dir)
     t = cfg.train
@@ -238,7 +238,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 steps.restart_window()
                 continue
             last = state.step == t.max_steps
-            if run.val_loader is not None and ((t.eval_interval and state.step % t.eval_interval == 0) or last):
+            if run.val_loader is not None and ((t.val_interval and state.step % t.val_interval == 0) or last):
                 val = run.val_loss()
                 if math.isfinite(val):
                     state.best_val_loss = min(state.best_val_loss, val)
@@ -247,7 +247,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 steps.restart_window()  # tokens/s measures training, not evaluation
                 if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer, metrics):
                     continue
-            if hellaswag is not None and (state.step % cfg.eval.interval == 0 or last):
+            if hellaswag is not None and (state.step % cfg.eval.hellaswag.interval == 0 or last):
                 hs = hellaswag.evaluate(run.strategy.inference_model(run.model), rt, run.strategy.autocast)
                 metrics.log({"step": state.step, "tokens": state.tokens, **hs.metrics()})
                 view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} "

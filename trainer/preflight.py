@@ -92,11 +92,11 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
         val = open_split(cfg.data, "val")
         if val_need:
             _check_largest_shard(cfg, "val", val, val_need, world, "raise data.val_fraction and prepare again, "
-                                 "set train.eval_batches=0 to train without validation, or lower the micro batch")
+                                 "set train.val_batches=0 to train without validation, or lower the micro batch")
 
 
 def _validates(cfg) -> bool:
-    return cfg.data.val_fraction > 0 and cfg.train.eval_batches > 0
+    return cfg.data.val_fraction > 0 and cfg.train.val_batches > 0
 
 
 def _check_largest_shard(cfg, split: str, shards, need: int, world: int, fix: str) -> None:

@@ -95,8 +95,8 @@ RANGES = {
     "train.seq_len": _at_least(1),
     "train.total_batch_size": _at_least(1),
     "train.grad_accum_steps": _at_least(1),
-    "train.eval_interval": _at_least(0),  # 0 = only at the end
-    "train.eval_batches": _at_least(0),  # 0 = no validation loss
+    "train.val_interval": _at_least(0),  # 0 = only at the end
+    "train.val_batches": _at_least(0),  # 0 = no validation loss
     "train.log_interval": _at_least(1),
     "train.sample_tokens": _at_least(0),  # 0 = no sample
     "train.peak_flops": _positive(),
@@ -104,7 +104,7 @@ RANGES = {
     "train.loss_chunks": _at_least(1),
     "checkpoint.interval": _at_least(0),  # 0 = only at the end
     "checkpoint.keep": _at_least(1),
-    "eval.interval": _at_least(0),  # 0 = never during training
+    "eval.hellaswag.interval": _at_least(0),  # 0 = never during training
     "eval.limit": _at_least(1),
     "eval.hellaswag.batch_examples": _at_least(1),
     "world": _at_least(1),

@@ -36,7 +36,7 @@ from trainer.compose import (
     split_args,
     sweep_points,
 )
-from trainer.config import requested_world, to_dict
+from trainer.config import apply_renamed_keys, requested_world, to_dict
 from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
@@ -131,6 +131,7 @@ def run_app(args: list[str], job=None):
 
     def task(cfg) -> None:
         try:
+            apply_renamed_keys(cfg)  # hydra.main's own composition; the checks' compose gave the notice
             outcome.append(job(cfg))
         except BaseException as err:  # Stopped and KeyboardInterrupt too: they end the command
             outcome.append(err)
