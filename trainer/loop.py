@@ -16,6 +16,7 @@ from trainer.checkpoint.init_from import start_from_weights
 from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split, redo_command
+from trainer.data.tokenizer import token_byte_lengths
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
@@ -51,6 +52,7 @@ class RunResult:
     train_tokens_per_s: float  # in training steps only, as the step lines measure it
     wall_s: float
     steps: int
+    final_val_bpb: float = math.nan  # bits per byte at the last validation (Run.val_loss)
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
     # what produced the figures (trainer/provenance.py): in the summary record beside the figures,
@@ -79,6 +81,11 @@ class Run:
         self.val_loader = None
         if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:
             self.val_loader = self._val_loader()
+            # bytes per id of the (padded) head; padding rows never stand for text: 0
+            self.token_bytes = torch.zeros(raw_model.config.padded_vocab_size, dtype=torch.int64)
+            known = token_byte_lengths()[: self.token_bytes.numel()]
+            self.token_bytes[: len(known)] = torch.tensor(known)
+            self.token_bytes = self.token_bytes.to(rt.device)
         self.forward = self.model
         if cfg.train.compile:
             self.forward = torch.compile(self.model, mode=cfg.train.compile_mode)
@@ -171,18 +178,24 @@ class Run:
         return loss, grad_norm
 
     @torch.no_grad()
-    def val_loss(self) -> float:
-        """Mean loss over the first val_batches micro batches of the val split, all ranks."""
+    def val_loss(self) -> tuple[float, float]:
+        """(mean loss, bits per byte) over the first val_batches micro batches of the val split, all
+        ranks. Bits per byte: the summed loss in bits over the UTF-8 bytes the target tokens stand
+        for (a document boundary stands for none and is left out, as nanochat counts it), so runs
+        with different tokenizers compare."""
         model = self.strategy.inference_model(self.model)
         model.eval()
         self.val_loader.reset()
-        total = torch.zeros((), device=self.rt.device)
+        # [sum of the micro batches' mean losses, nats over the targets with bytes, their bytes]
+        sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         for _ in range(self.val_loader.accum):
             x, y = self.val_loader.next_batch()
             with self.strategy.autocast():
-                _, loss = model(x, y)
-            total += loss.detach()
-        return self.rt.all_reduce_mean(total / self.val_loader.accum).item()
+                _, losses = model(x, y, per_token=True)
+            nbytes = self.token_bytes[y.reshape(-1)]
+            sums += torch.stack([losses.mean(), losses[nbytes > 0].sum(), nbytes.sum()]).double()
+        loss, nats, nbytes = self.rt.all_reduce_sum(sums).tolist()
+        return loss / self.val_loader.accum / self.rt.world, nats / (math.log(2) * nbytes) if nbytes else math.nan
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, seed: int) -> str:
@@ -231,6 +244,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
     steps = StepLog(run, metrics, view)
     guard = run.guard
     t_start = steps.t_first
+    val_bpb = math.nan  # the last validation's bits per byte (the summary's)
     try:
         while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
             steps.after_step(*run.train_step(state.step))
@@ -239,11 +253,12 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 continue
             last = state.step == t.max_steps
             if run.val_loader is not None and ((t.val_interval and state.step % t.val_interval == 0) or last):
-                val = run.val_loss()
+                val, bpb = run.val_loss()
                 if math.isfinite(val):
                     state.best_val_loss = min(state.best_val_loss, val)
-                metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val})
-                view.print(f"step {state.step}: val loss {val:.4f}")
+                val_bpb = bpb
+                metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val, "val_bpb": bpb})
+                view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}")
                 steps.restart_window()  # tokens/s measures training, not evaluation
                 if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer, metrics):
                     continue
@@ -265,6 +280,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         result = RunResult(
             final_loss=state.last_loss,
             best_val_loss=state.best_val_loss,
+            final_val_bpb=val_bpb,
             tokens=state.tokens,
             tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
             train_tokens_per_s=steps.training_tokens_per_s(),
@@ -377,6 +393,7 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         "tokens": f"{result.tokens:,}",
         "final train loss": f"{result.final_loss:.4f}",
         "best val loss": "-" if math.isinf(result.best_val_loss) else f"{result.best_val_loss:.4f}",
+        "final val bpb": f"{result.final_val_bpb:.4f}" if math.isfinite(result.final_val_bpb) else "-",
         # two figures, named so that neither is mistaken for the other (the step lines show the first)
         "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",

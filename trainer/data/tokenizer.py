@@ -175,6 +175,14 @@ def gpt2_encoding() -> tiktoken.Encoding:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def token_byte_lengths() -> tuple[int, ...]:
+    """The UTF-8 bytes each token id stands for: bits per byte's denominator. <|endoftext|>, which
+    stands for no text, counts 0 (15 ms for GPT-2's 50,257 ids, once per process)."""
+    enc = gpt2_encoding()
+    return tuple(0 if i == EOT else len(enc.decode_single_token_bytes(i)) for i in range(VOCAB_SIZE))
+
+
 def encode(text: str) -> list[int]:
     """Token ids of ``text`` with special tokens treated as plain text."""
     return gpt2_encoding().encode_ordinary(text)

@@ -91,11 +91,12 @@ class GPT(nn.Module):
         return rotary_tables(positions, c.head_dim, c.rope_theta) if c.pos == "rope" else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, cache: CacheStep | None = None):
-        """(logits, loss); with targets and loss_chunks > 1, (None, loss). `logits_at` (B,) without
-        targets: only the logits of that one position of each row, (B, 1, vocab), all that decoding
-        needs (the largest matmul skips the other rows); (B, K): those K positions of each row,
-        (B, K, vocab) (a scored continuation's).
+                logits_at: torch.Tensor | None = None, cache: CacheStep | None = None, per_token: bool = False):
+        """(logits, loss); with targets and loss_chunks > 1, (None, loss); `per_token` (with targets):
+        (None, each position's loss, flattened), what bits per byte weighs by the targets' bytes.
+        `logits_at` (B,) without targets: only the logits of that one position of each row,
+        (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows); (B, K):
+        those K positions of each row, (B, K, vocab) (a scored continuation's).
         `cache` (decoding, trainer/model/decode.py): idx fills the cache's next slots, at the
         positions and under the mask it gives, and attends to what the cache holds."""
         B, T = idx.shape
@@ -126,10 +127,12 @@ class GPT(nn.Module):
         if targets is None:
             return self._inference_logits(x)[..., : self.config.vocab_size], None
         if self.loss_chunks > 1:  # the logits are never whole: none to return
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks)
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks, per_token)
         logits = self.lm_head(x)
         # Padded vocabulary rows never appear as targets; their logits only add to the softmax
         # denominator and are pushed down by training, so they are kept (slicing would copy).
+        if per_token:
+            return None, F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), reduction="none")
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
 

@@ -24,10 +24,15 @@ import torch
 import torch.nn.functional as F
 
 
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int,
+                          per_token: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits `x @ weight.T` ((..., n_embd) x (vocab, n_embd)) against
-    `targets` (...), computed in `chunks` pieces of the flattened positions."""
+    `targets` (...), computed in `chunks` pieces of the flattened positions; `per_token` (no
+    gradient: validation's bits per byte) gives each position's loss instead of the mean."""
     x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    if per_token:
+        return torch.cat([_piece_losses(F.linear(xs, weight).float(), ts)
+                          for xs, ts in zip(x.chunk(chunks), targets.chunk(chunks))])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(x, weight, targets, chunks)
     total = sum(_piece_loss(F.linear(xs, weight).float(), ts)
@@ -35,9 +40,14 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     return total / targets.numel()
 
 
+def _piece_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each row of fp32 logits against its target."""
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
 def _piece_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of fp32 logits (rows) against their targets."""
-    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, targets.unsqueeze(1)).squeeze(1)).sum()
+    return _piece_losses(logits, targets).sum()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
