@@ -39,6 +39,7 @@ from trainer.checkpoint.continuation import check_same_data
 from trainer.checkpoint.layout import MARKER, STATE_FILE, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.records import newest_resumable
 from trainer.compose import compose
+from trainer.data.tokenizer import GPT2_FINGERPRINT
 from trainer.errors import DataError
 from trainer.metrics import MetricsLogger
 from trainer.results import run_figures
@@ -215,7 +216,8 @@ def test_another_tokenizer_under_the_same_ids_is_refused(data_dir, references, t
     run_dir = tmp_path / "run"
     copy_whole_run(references("none"), run_dir)
     chosen = newest_resumable(run_dir / "checkpoints")
-    assert chosen.state["tokenizer"] == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256}
+    assert chosen.state["tokenizer"] == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256,
+                                         "tokenizer_fingerprint": GPT2_FINGERPRINT}  # issue 36: the file's too
     cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={root}"])
     with pytest.raises(DataError, match="tokenizer 'gpt2' then, 'llama' now; vocab_size 50257 then, 128256 now"):
         check_same_data(cfg, run_dir, chosen)

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import HellaswagConfig, to_dict
 from trainer.data.tokenizer import gpt2_encoding
+from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import DataError
 from trainer.evals.hellaswag import (
     Example,
@@ -143,7 +144,7 @@ def test_download_caches_and_verifies(tmp_path):
 
 # --- scoring --------------------------------------------------------------------------------
 def test_batch_layout_and_left_truncation():
-    enc = gpt2_encoding()
+    enc = GPT2Tokenizer()
     short = encode_example(Example("The cat sat", ("on the mat.", "up.", "down here now.", "x"), 0), enc)
     tokens, mask = build_batch([short], block_size=64)
     assert tokens.shape == (4, max(len(short.ctx) + len(e) for e in short.endings))
@@ -161,7 +162,7 @@ def test_batch_layout_and_left_truncation():
 
 def test_padding_never_changes_a_score():
     """An example scored alone and batched with longer ones gets the same losses."""
-    enc = gpt2_encoding()
+    enc = GPT2Tokenizer()
     model = tiny_gpt(block_size=64)
     rng = random.Random(1)
     words = "the king hath spoken and my lord shall come to the court of rome".split()
@@ -183,7 +184,7 @@ def test_matches_the_reference_per_example_computation():
     """Batched, head-only scoring equals the reference's one-example-at-a-time formula."""
     import torch.nn.functional as F
 
-    enc = gpt2_encoding()
+    enc = GPT2Tokenizer()
     model = tiny_gpt(block_size=64)
     rng = random.Random(2)
     words = "to be or not that is the question whether tis nobler in the mind".split()
@@ -192,8 +193,8 @@ def test_matches_the_reference_per_example_computation():
            for _ in range(5)]
     sums, means = score_batch(model, [encode_example(e, enc) for e in exs], 64)
     for i, ex in enumerate(exs):
-        ctx = enc.encode(ex.ctx)
-        rows = [ctx + enc.encode(" " + e) for e in ex.endings]
+        ctx = gpt2_encoding().encode(ex.ctx)
+        rows = [ctx + gpt2_encoding().encode(" " + e) for e in ex.endings]
         width = max(map(len, rows))
         tokens = torch.zeros((4, width), dtype=torch.long)
         mask = torch.zeros((4, width))
@@ -221,7 +222,7 @@ class _CountingModel(torch.nn.Module):
 def test_every_rank_runs_the_same_number_of_forwards():
     """Uneven shares: the short ranks run dummy forwards (FSDP's collectives need every rank), and
     the per-rank counts add up to the single-process ones."""
-    enc = gpt2_encoding()
+    enc = GPT2Tokenizer()
     rng = random.Random(3)
     exs = [Example(f"ctx {i}", tuple(str(rng.random()) for _ in range(4)), rng.randint(0, 3))
            for i in range(11)]

@@ -25,6 +25,7 @@ from trainer.errors import Stopped, UserError, WorkerFailed
 COMMANDS = {
     "train": "train a model (Hydra overrides; -m for a sweep, --cfg job to print)",
     "prepare": "tokenize a dataset into token shards: dtrain prepare data=NAME",
+    "tokenizer": "train a BPE on a dataset: dtrain tokenizer train data=NAME tokenizer.vocab_size=N tokenizer.path=OUT",
     "sample": "generate text from a trained run: dtrain sample RUN_DIR",
     "eval": "HellaSwag accuracy of a run's checkpoint: dtrain eval RUN_DIR (--tasks T1,T2: lm-eval-harness)",
     "export": "write a Hugging Face model folder (GPT-2, Llama or Qwen3): weights, config, tokenizer",

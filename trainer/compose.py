@@ -226,6 +226,9 @@ def default_run_name(root: DictConfig) -> str:
     init_from = job["model"].get("init_from")
     if init_from and init_from != INIT_FROM_REQUIRED:
         job["model"]["init_from"] = str(Path(init_from).expanduser().absolute())
+    for section in (job.get("tokenizer"), job.get("data", {}).get("tokenizer")):
+        if isinstance(section, dict) and section.get("path"):
+            section["path"] = str(Path(section["path"]).expanduser().absolute())
     return run_identity(job)
 
 
@@ -273,6 +276,8 @@ def anchor_paths(cfg: DictConfig) -> None:
     # a recipe's REQUIRED sentinel is left as it is, for validation's error line
     if cfg.model.init_from and cfg.model.init_from != INIT_FROM_REQUIRED:
         cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
+    if OmegaConf.select(cfg, "tokenizer.path", default=None):  # tokenizer=hf tokenizer.path=DIR, likewise
+        cfg.tokenizer.path = str(Path(cfg.tokenizer.path).expanduser().absolute())
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:

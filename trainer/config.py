@@ -6,6 +6,9 @@ wrong type fails while the config is composed, before any work starts.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -31,6 +34,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # Token ids the data holds: every dataset is encoded with GPT-2's BPE (trainer/data/tokenizer.py's
 # VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
 TOKENIZER_VOCAB_SIZE = 50257
+TOKENIZERS = ("gpt2", "hf")  # the `tokenizer` group (trainer/data/tokenizers.py)
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
@@ -55,6 +59,63 @@ MAX_SEED = 2**64 - 1
 # so 10,000 tokens (about 40 KB of text, ten GPT-2 windows) is already up to an hour, and 10**20
 # never ends. A longer text is several samples, each continuing the last (--prompt).
 MAX_SAMPLE_TOKENS = 10_000
+
+
+VOCAB_RESOLVER = "dtrain_tokenizer_vocab"
+SOURCE_TOKENIZER_RESOLVER = "dtrain_source_tokenizer"  # conf/tokenizer/auto.yaml
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_vocab_size(file: str, mtime_ns: int) -> int:
+    spec = json.loads(Path(file).read_text(encoding="utf-8"))
+    ids = list(spec.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in spec.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def tokenizer_vocab_size(name: str, path: str | None) -> int:
+    """How many ids the `tokenizer` config's tokenizer has, read from its tokenizer.json (stdlib
+    only: the checks run before torch and before the `tokenizers` library). GPT-2's when it cannot
+    be read: the tokenizer's own check (trainer/data/tokenizers.py) then names what is wrong."""
+    if name == "hf" and path:
+        file = Path(str(path)).expanduser() / "tokenizer.json"
+        try:
+            return _hf_vocab_size(str(file.absolute()), file.stat().st_mtime_ns)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass
+    return TOKENIZER_VOCAB_SIZE
+
+
+def tokenizer_tag(tok) -> str | None:
+    """A short tag of a non-GPT-2 tokenizer's file (the first 8 hex digits of its sha256, as its
+    fingerprint begins), for the folder its datasets are prepared in; None for GPT-2's or when the
+    file cannot be read (the tokenizer's own check then says why)."""
+    if tok is None or tok.get("name") != "hf" or not tok.get("path"):
+        return None
+    try:
+        return hashlib.sha256((Path(str(tok["path"])).expanduser() / "tokenizer.json").read_bytes()).hexdigest()[:8]
+    except OSError:
+        return None
+
+
+def source_tokenizer(init_from: str | None, field: str) -> str | None:
+    """tokenizer=auto (the default): the tokenizer of model.init_from's Hugging Face folder when it
+    holds a tokenizer.json other than GPT-2's (SmolLM2, Llama 3, Qwen3 ...), so fine-tuning a real
+    checkpoint needs no extra key; else GPT-2's. `field`: "name" or "path"."""
+    folder = Path(str(init_from)).expanduser() if init_from and init_from != INIT_FROM_REQUIRED else None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return "gpt2" if field == "name" else None
+    try:  # GPT-2's own tokenizer.json (a GPT-2 folder) is the same BPE: keep tiktoken's, and its datasets
+        vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+        is_gpt2 = len(vocab) == TOKENIZER_VOCAB_SIZE and vocab.get("<|endoftext|>") == TOKENIZER_VOCAB_SIZE - 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        is_gpt2 = False
+    if is_gpt2:
+        return "gpt2" if field == "name" else None
+    return "hf" if field == "name" else str(folder.absolute())
+
+
+OmegaConf.register_new_resolver(VOCAB_RESOLVER, tokenizer_vocab_size, replace=True)
+OmegaConf.register_new_resolver(SOURCE_TOKENIZER_RESOLVER, source_tokenizer, replace=True)
 
 
 def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None, multiple_of: int) -> int:
@@ -93,7 +154,8 @@ class ModelConfig:
     n_head: int = 2
     n_embd: int = 64
     block_size: int = 128
-    vocab_size: int = 50257
+    # The tokenizer's (tokenizer_vocab_size) unless set: a model reads every id its data can hold.
+    vocab_size: int = f"${{{VOCAB_RESOLVER}:${{tokenizer.name}},${{tokenizer.path}}}}"  # type: ignore[assignment]
     # Round the embedding table up to a multiple of this (64 or 128 make matmuls faster on GPUs;
     # GPT-2's 50257 becomes 50304). 1 keeps the exact vocabulary.
     pad_vocab_multiple: int = 1
@@ -120,6 +182,16 @@ class ModelConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    """The `tokenizer` group (trainer/data/tokenizers.py): gpt2, or hf with path=DIR (a folder with a
+    Hugging Face tokenizer.json)."""
+
+    name: str = "gpt2"
+    path: Optional[str] = None
+    vocab_size: Optional[int] = None  # `dtrain tokenizer train`: the size of the tokenizer it trains
+
+
+@dataclass
 class DataConfig:
     name: str = "shakespeare"
     # Where this dataset's shards and manifest live: <dir>/<name>/ (a per-user folder by default).
@@ -138,6 +210,9 @@ class DataConfig:
     verify: str = "auto"
     num_proc: Optional[int] = None  # tokenizer processes; null = all cores
     auto_prepare: bool = False  # prepare on first use by `dtrain train` (the embedded default does)
+    # The run's tokenizer (the top-level `tokenizer` group), here so that every data function that
+    # takes cfg.data knows which ids a dataset holds. Not a key to set: set tokenizer.* instead.
+    tokenizer: TokenizerConfig = "${tokenizer}"  # type: ignore[assignment]
 
 
 @dataclass
@@ -275,6 +350,7 @@ class Config:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     parallel: ParallelConfig = MISSING
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

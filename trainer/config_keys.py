@@ -28,6 +28,8 @@ TRAJECTORY = (
     "optim.",
     "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
+    # the ids the data holds (data.tokenizer mirrors the `tokenizer` group for the data functions)
+    "tokenizer.name", "tokenizer.path", "data.tokenizer.name", "data.tokenizer.path",
 )
 
 # Trajectory keys that a continuation compares by the global batch they make, not by their values:
@@ -46,6 +48,7 @@ OPERATIONAL = (
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
+    "tokenizer.vocab_size", "data.tokenizer.vocab_size",  # only `dtrain tokenizer train` reads it
 )
 
 

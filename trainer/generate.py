@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.data.tokenizer import gpt2_encoding
+from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.model.decode import Sampling, generate
 
 
@@ -23,15 +23,17 @@ def generate_text(
     top_k: int | None = 50,
     top_p: float | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    tokenizer=None,
 ) -> str:
     """The prompt and its continuation. The same seed gives the same text; an empty prompt starts
-    from <|endoftext|>; temperature 0 is greedy. `model` is a GPT or a wrapped model's inference
+    from the end-of-text token; temperature 0 is greedy. `tokenizer`: the run's (trainer/data/tokenizers.py;
+    GPT-2's by default). `model` is a GPT or a wrapped model's inference
     view (its forward is GPT's), decoded with the KV cache (trainer/model/decode.py); `autocast` is
     the strategy's, where the model trains in mixed precision. Ids in the padded part of the
     vocabulary (no token) are dropped from the text."""
-    enc = gpt2_encoding()
-    ids = enc.encode_ordinary(prompt) or [enc.eot_token]
+    tok = tokenizer or GPT2Tokenizer()
+    ids = [int(i) for i in tok.encode(prompt)] or [tok.eot]
     generator = torch.Generator(device=device).manual_seed(seed)
     with autocast():
         [new] = generate(model, [ids], max_new_tokens, Sampling(temperature, top_k, top_p), generator)
-    return enc.decode([t for t in ids + new if t < enc.n_vocab])
+    return tok.decode([t for t in ids + new if t < tok.vocab_size])

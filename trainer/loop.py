@@ -13,10 +13,10 @@ import torch
 from rich.markup import escape
 
 from trainer.checkpoint.init_from import start_from_weights
-from trainer.config import BatchPlan, batch_plan
+from trainer.config import BatchPlan, batch_plan, tokenizer_vocab_size
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split, redo_command
-from trainer.data.tokenizer import token_byte_lengths
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
@@ -83,7 +83,7 @@ class Run:
             self.val_loader = self._val_loader()
             # bytes per id of the (padded) head; padding rows never stand for text: 0
             self.token_bytes = torch.zeros(raw_model.config.padded_vocab_size, dtype=torch.int64)
-            known = token_byte_lengths()[: self.token_bytes.numel()]
+            known = load_tokenizer(cfg.tokenizer).byte_lengths()[: self.token_bytes.numel()]
             self.token_bytes[: len(known)] = torch.tensor(known)
             self.token_bytes = self.token_bytes.to(rt.device)
         self.forward = self.model
@@ -117,6 +117,7 @@ class Run:
             self.rt.device,
             shuffle_shards=shuffle,
             what=f"{split} split of dataset {self.cfg.data.name!r}",
+            vocab_size=tokenizer_vocab_size(self.cfg.tokenizer.name, self.cfg.tokenizer.path),
             redo=redo_command(self.cfg.data),
         )
 
@@ -203,6 +204,7 @@ class Run:
         model = self.strategy.inference_model(self.model)
         model.eval()
         return generate_text(model, prompt, max_new_tokens, device=self.rt.device, seed=seed,
+                             tokenizer=load_tokenizer(self.cfg.tokenizer),
                              autocast=self.strategy.autocast)
 
 

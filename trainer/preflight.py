@@ -18,7 +18,7 @@ from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import dataset_dir
 from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
-from trainer.data.tokenizer import gpt2_encoding
+from trainer.data.tokenizers import load_tokenizer
 from trainer.env import restart_count
 from trainer.errors import DataError
 from trainer.metrics import require_tracker
@@ -44,8 +44,7 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     check_same_data(cfg, run_dir, continued)  # the data and tokenizer it trained with
     if state is not RunDirState.FINISHED:
         check_space_at_start(run_dir, cfg.checkpoint.keep)
-    if cfg.train.sample_tokens > 0:
-        gpt2_encoding()
+    load_tokenizer(cfg.tokenizer)  # readable (GPT-2's fetched once) before the run directory exists
     for name in tracker_names(cfg.logger):
         require_tracker(name)
     for note in notes:

@@ -28,10 +28,12 @@ from trainer.config import (
     POSITIONS,
     SCHEDULES,
     TOKENIZER_VOCAB_SIZE,
+    TOKENIZERS,
     Config,
     batch_plan,
     parameter_count,
     requested_world,
+    tokenizer_vocab_size,
 )
 from trainer.env import launched_world
 from trainer.errors import ConfigError
@@ -179,11 +181,20 @@ def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> No
             fix = f"; e.g. {key}={default}" if default is not None else f" (or null: {NULL_MEANS[key]})"
             raise ConfigError(f"{key}={value} must be at most {high} ({why}){fix}")
     vocab = OmegaConf.select(cfg, "model.vocab_size", default=None)
-    if (sections is None or "model" in sections) and vocab is not None and vocab < TOKENIZER_VOCAB_SIZE:
+    tok = OmegaConf.select(cfg, "tokenizer", default=None)
+    if tok is not None and tok.name not in TOKENIZERS:
+        raise ConfigError(f"tokenizer={tok.name} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    if tok is not None and tok.name == "hf" and not tok.path:
+        raise ConfigError("tokenizer=hf needs tokenizer.path=DIR, a folder holding a Hugging Face tokenizer.json "
+                          "(a model folder, or one `dtrain tokenizer train` wrote)")
+    ids = tokenizer_vocab_size(tok.name, tok.path) if tok is not None else TOKENIZER_VOCAB_SIZE
+    which = "the GPT-2 tokenizer's" if tok is None or tok.name == "gpt2" else f"tokenizer.path={tok.path}'s"
+    if (sections is None or "model" in sections) and vocab is not None and vocab < ids:
         raise ConfigError(
-            f"model.vocab_size={vocab} is smaller than the GPT-2 tokenizer's {TOKENIZER_VOCAB_SIZE} tokens "
-            f"that the data is encoded with (ids up to {TOKENIZER_VOCAB_SIZE - 1}); set "
-            f"model.vocab_size={TOKENIZER_VOCAB_SIZE} (model.pad_vocab_multiple=64 rounds the table up)"
+            f"model.vocab_size={vocab} is smaller than {which} {ids} tokens "
+            f"that the data is encoded with (ids up to {ids - 1}); set "
+            f"model.vocab_size={ids} or leave it unset (it follows the tokenizer; model.pad_vocab_multiple=64 "
+            "rounds the table up)"
         )
 
 

@@ -97,12 +97,13 @@ def _to_llama_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_config(model, dtype: str = "float32") -> dict:
-    """config.json of the equivalent transformers model (GPT2LMHeadModel, LlamaForCausalLM...)."""
+def hf_config(model, dtype: str = "float32", eot: int = EOT) -> dict:
+    """config.json of the equivalent transformers model (GPT2LMHeadModel, LlamaForCausalLM...);
+    `eot`: the run's tokenizer's end-of-text id (its bos and eos)."""
     c = model.config
     family = model_family(model)
     if family != "gpt2":
-        return llama_config(dataclasses.asdict(c), family, dtype)
+        return llama_config(dataclasses.asdict(c), family, dtype, eot)
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -121,8 +122,8 @@ def hf_config(model, dtype: str = "float32") -> dict:
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
-        "bos_token_id": EOT,
-        "eos_token_id": EOT,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
         "use_cache": True,
         "torch_dtype": dtype,
     }

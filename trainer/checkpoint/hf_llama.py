@@ -65,7 +65,7 @@ def export_family(m) -> str:
     return "qwen3"
 
 
-def llama_config(m, family: str, dtype: str) -> dict:
+def llama_config(m, family: str, dtype: str, eot: int = EOT) -> dict:
     """config.json of the transformers LlamaForCausalLM / Qwen3ForCausalLM equal to model config `m`."""
     config = {
         "architectures": [ARCHITECTURES[family]],
@@ -87,8 +87,8 @@ def llama_config(m, family: str, dtype: str) -> dict:
         "attention_dropout": 0.0,
         "tie_word_embeddings": bool(m["tie_embeddings"]),
         "initializer_range": 0.02,
-        "bos_token_id": EOT,
-        "eos_token_id": EOT,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
         "use_cache": True,
         "torch_dtype": dtype,
     }

@@ -39,6 +39,7 @@ from trainer.checkpoint.weights import (
     weights_step,
 )
 from trainer.config import LaunchConfig, from_dict, to_dict
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, UserError
 from trainer.evals.hub import hub_unreachable
 from trainer.evals.shards import Shards
@@ -161,7 +162,8 @@ def _score(job: dict, manager, rt) -> dict:
         model = build_model(cfg.model)
         load_weights(model, str(weights))
     load_s = time.perf_counter() - t0
-    lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, shards=Shards(rt))
+    lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, shards=Shards(rt),
+                          tokenizer=load_tokenizer(cfg.tokenizer))  # the run's, as training encoded
     results, wall = harness.evaluate(lm, job["tasks"], manager, limit=job["limit"], num_fewshot=job["num_fewshot"],
                                      bootstrap_iters=job["bootstrap_iters"], log_samples=job["log_samples"])
     if not rt.is_main:  # the harness builds its results on (local) rank 0 only; the others return None

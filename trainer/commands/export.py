@@ -1,8 +1,9 @@
 """`dtrain export RUN_DIR [--out DIR] [--step N] [--dtype D]`: a checkpoint as a Hugging Face model.
 
 Writes a complete Hugging Face model folder, loadable without dtrain: `model.safetensors`,
-`config.json`, `generation_config.json` and the GPT-2 tokenizer (`vocab.json`, `merges.txt`,
-`tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks). A
+`config.json`, `generation_config.json` and the run's tokenizer: GPT-2's (`vocab.json`, `merges.txt`,
+`tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks), or with
+tokenizer=hf its own `tokenizer.json` and `tokenizer_config.json`, which encode exactly as training did. A
 GPT-2-shaped model becomes a GPT2LMHeadModel (`transformer.h.0.attn.c_attn.weight` ...), a
 Llama-shaped one (rmsnorm, rope, swiglu) a LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`
 ...) or, with model.qk_norm, a Qwen3ForCausalLM; any other block is one error line, before
@@ -35,7 +36,8 @@ from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_h
 from trainer.checkpoint.hf_llama import export_family
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.weights import model_from_run
-from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer
+from trainer.data.hf_tokenizer import write_hf_tokenizer
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
 from trainer.io import new_file_mode, write_atomic
 from trainer.writable import check_room, check_writable_dir, write_errors_as_user_errors
@@ -60,9 +62,11 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
     model, cfg = model_from_run(run_dir, step=step)
     export_family({**dataclasses.asdict(model.config), "name": cfg.model.get("name")})  # one line if none fits
     tensors = to_hf_state_dict(model, DTYPES[dtype])
-    # the GPT-2 ranks are read before anything is written: without them, one line and no half folder
-    tokenizer_files = hf_tokenizer_files(model.config.block_size)
-    config_text = json.dumps(hf_config(model, dtype), indent=2) + "\n"
+    # the run's tokenizer (GPT-2's ranks, or its tokenizer.json) is read before anything is written:
+    # without it, one line and no half folder
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer_files = tokenizer.export_files(model.config.block_size)
+    config_text = json.dumps(hf_config(model, dtype, tokenizer.eot), indent=2) + "\n"
     # every byte the export writes is known now: a disk without room for them is one line, not a
     # half-written weights file
     check_room(out, [sum(t.numel() * t.element_size() + SAFETENSORS_ENTRY_BYTES for t in tensors.values()),

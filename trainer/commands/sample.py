@@ -11,6 +11,7 @@ from pathlib import Path
 from trainer.args import ArgParser, non_negative_float, non_negative_int, probability, whole_number_in
 from trainer.checkpoint.weights import model_from_run
 from trainer.config import MAX_SAMPLE_TOKENS, MAX_SEED
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
 from trainer.generate import generate_text
 from trainer.runtime import pick_device
@@ -46,8 +47,8 @@ def cmd_sample(argv: list[str]) -> None:
         raise UserError(
             f"dtrain sample: --device {args.device!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
-    model, _ = model_from_run(Path(args.run_dir).expanduser(), step=args.step, device=device)
+    model, cfg = model_from_run(Path(args.run_dir).expanduser(), step=args.step, device=device)
     text = generate_text(model, args.prompt, args.tokens, device=device, seed=args.seed,
                          temperature=args.temperature, top_k=args.top_k or None,
-                         top_p=args.top_p)
+                         top_p=args.top_p, tokenizer=load_tokenizer(cfg.tokenizer))  # the run's own
     print(text)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import hashlib
 
 from trainer.data.layout import MANIFEST, dataset_dir
+from trainer.data.manifest import recorded_tokenizer
 from trainer.data.prepare import as_data_cfg, load_manifest
 
 # The manifest's fields that say how its ids were made.
-TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "eot")
+TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "eot", "tokenizer_fingerprint")
 
 
 def data_identity(data_cfg) -> dict | None:
@@ -29,18 +30,19 @@ def recorded_identity(data_cfg) -> dict:
 
 
 def tokenizer_identity(data_cfg) -> dict | None:
-    """{"tokenizer", "vocab_size", "eot"} as the prepared dataset's manifest records them, or None
-    when it has no manifest."""
+    """{"tokenizer", "vocab_size", "eot", "tokenizer_fingerprint"} as the prepared dataset's manifest
+    records them (manifest.recorded_tokenizer), or None when it has no manifest."""
     manifest = load_manifest(dataset_dir(as_data_cfg(data_cfg)) / MANIFEST)
     if manifest is None:
         return None
-    return {key: manifest.get(key) for key in TOKENIZER_FIELDS}
+    return recorded_tokenizer(manifest)
 
 
 def tokenizer_changes(was: dict, now: dict) -> list[str]:
-    """One phrase per tokenizer field that differs, e.g. "tokenizer 'gpt2' then, 'llama' now"."""
+    """One phrase per tokenizer field that differs, e.g. "tokenizer 'gpt2' then, 'hf' now". A field
+    the older record lacks (a checkpoint from before fingerprints) is not a change."""
     return [f"{key} {was.get(key)!r} then, {now.get(key)!r} now" for key in TOKENIZER_FIELDS
-            if was.get(key) != now.get(key)]
+            if key in was and was.get(key) != now.get(key)]
 
 
 def _split_identity(entries: list[dict]) -> dict:

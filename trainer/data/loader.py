@@ -32,13 +32,14 @@ class ShardLoader:
         shuffle_shards: bool = True,
         what: str = "train split",
         redo: str = "prepare the dataset again (`dtrain prepare ... --force`)",
+        vocab_size: int = VOCAB_SIZE,
     ):
         self.shards = shards
         self.B, self.T = micro_batch_size, seq_len
         self.rank, self.world, self.accum = rank, world, accum_steps
         self.seed, self.shuffle = seed, shuffle_shards
         self.device = device
-        self.vocab_size, self.what, self.redo = VOCAB_SIZE, what, redo
+        self.vocab_size, self.what, self.redo = vocab_size, what, redo  # the tokenizer's ids
         self.chunk_tokens = micro_batch_size * seq_len
         self.chunks_per_step = world * accum_steps
         # Whole optimizer steps only, so a step never straddles two shards.
@@ -91,7 +92,8 @@ class ShardLoader:
 
     def _out_of_vocabulary(self, index: int, token_id: int) -> str:
         name = getattr(self.shards[index], "filename", None) or f"#{index} of the {self.what}"
-        return out_of_vocabulary(name, token_id, f"{self.redo} (data.verify=sha256 checks every id before training)")
+        redo = f"{self.redo} (data.verify=sha256 checks every id before training)"
+        return out_of_vocabulary(name, token_id, self.vocab_size, redo)
 
     def _advance_step(self) -> None:
         self.micro = 0

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import re
 
-from trainer.data.layout import FORMAT
-from trainer.data.tokenizer import EOT, VOCAB_SIZE
+from trainer.data.layout import DTYPES, FORMAT
+from trainer.data.tokenizer import GPT2_FINGERPRINT
 
-TOKENIZER = "gpt2"
 # A shard's file is a plain name in the dataset folder (prepare's `<split>_NNNNNN.bin`): never a
 # path that could point a reader outside it.
 SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.bin")
@@ -56,6 +55,9 @@ def schema_problem(manifest) -> str | None:
             return f"it has no {key!r}"
         if not _is(manifest[key], types):
             return f"its {key!r} is {manifest[key]!r} ({_kind(manifest[key])}), not {name}"
+    for key in ("tokenizer_fingerprint", "tokenizer_path"):  # optional: a dtrain before them wrote neither
+        if manifest.get(key) is not None and not isinstance(manifest[key], str):
+            return f"its {key!r} is {manifest[key]!r} ({_kind(manifest[key])}), not a string"
     missing = [k for k in SETTINGS_KEYS if k not in manifest["settings"]]
     if missing:
         return f"its settings lack {', '.join(missing)}"
@@ -89,23 +91,35 @@ def _entry_problem(entry) -> str | None:
     return None
 
 
-def tokenizer_problem(manifest: dict) -> str | None:
-    """How the tokenizer the manifest records differs from the one dtrain trains with (GPT-2: its
-    ids, its vocabulary size and its end-of-text id), as "tokenizer 'llama' with 128,256 ids
-    (end-of-text 50256)"; None when it is GPT-2's. Only for a manifest without a schema problem."""
-    recorded = (manifest["tokenizer"], manifest["vocab_size"], manifest["eot"])
-    if recorded == (TOKENIZER, VOCAB_SIZE, EOT):
+def recorded_tokenizer(manifest: dict) -> dict:
+    """The tokenizer identity a manifest records (trainer/data/tokenizers.py identity_of). A manifest
+    of a dtrain before fingerprints is GPT-2's when it says so: the only tokenizer it could prepare."""
+    recorded = {key: manifest.get(key) for key in ("tokenizer", "vocab_size", "eot", "tokenizer_fingerprint")}
+    if recorded["tokenizer_fingerprint"] is None and recorded["tokenizer"] == "gpt2":
+        recorded["tokenizer_fingerprint"] = GPT2_FINGERPRINT
+    return recorded
+
+
+def tokenizer_problem(manifest: dict, ours: dict) -> str | None:
+    """How the tokenizer the manifest records differs from the run's (`ours`, an identity_of), as
+    "tokenizer 'hf' with 128,256 ids (end-of-text 128001, fingerprint 3f2a...)"; None when they are
+    the same. Only for a manifest without a schema problem."""
+    recorded = recorded_tokenizer(manifest)
+    if recorded == ours:
         return None
-    return describe_tokenizer(*recorded)
+    return describe_tokenizer(recorded)
 
 
-def describe_tokenizer(name: str, vocab_size: int, eot: int) -> str:
-    return f"tokenizer {name!r} with {vocab_size:,} ids (end-of-text {eot})"
+def describe_tokenizer(identity: dict) -> str:
+    text = f"tokenizer {identity['tokenizer']!r} with {identity['vocab_size']:,} ids (end-of-text {identity['eot']}"
+    fingerprint = identity.get("tokenizer_fingerprint")
+    return text + (f", fingerprint {fingerprint})" if fingerprint else ")")
 
 
 def format_problem(manifest: dict) -> str | None:
     """A format or dtype this dtrain does not read (an older or newer dtrain's dataset)."""
-    if manifest.get("format") != FORMAT or manifest.get("dtype") != "uint16":
+    dtype = manifest.get("dtype")
+    if manifest.get("format") != FORMAT or not isinstance(dtype, str) or dtype not in DTYPES:
         return (f"format {manifest.get('format')!r} / dtype {manifest.get('dtype')!r}, this dtrain reads "
-                f"format {FORMAT} / uint16")
+                f"format {FORMAT} / {' or '.join(DTYPES)}")
     return None

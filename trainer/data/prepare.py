@@ -1,13 +1,14 @@
-"""Tokenize a dataset into uint16 shards plus a manifest.
+"""Tokenize a dataset into token shards (uint16, or uint32 for a vocabulary over 65,536) plus a manifest.
 
 Layout of ``<data.dir>/<data.name>/``::
 
     manifest.json          written last; its presence is what makes the dataset valid
-    train_000000.bin ...   raw little-endian uint16 GPT-2 token ids, at most data.shard_tokens each
+    train_000000.bin ...   raw little-endian token ids (the manifest's dtype), at most data.shard_tokens each
     val_000000.bin ...
     raw/                   cached downloads (source archives), kept across re-prepares
 
-The token stream is ``EOT doc0 EOT doc1 ...`` (EOT = 50256 separates documents). The validation
+The token stream is ``EOT doc0 EOT doc1 ...`` (the tokenizer's end-of-text id, GPT-2's 50256, separates
+documents; the `tokenizer` group picks the tokenizer, trainer/data/tokenizers.py). The validation
 split is the last ``val_fraction`` of the stream (cut at a token), train is the rest, so a
 dataset of a single document still gets both splits.
 
@@ -43,10 +44,9 @@ from rich.progress import (
 from trainer.config import DataConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
-from trainer.data.layout import DTYPE, FORMAT, MANIFEST, dataset_dir
+from trainer.data.layout import DTYPES, FORMAT, MANIFEST, dataset_dir
 from trainer.data.manifest import (
     SETTINGS_KEYS,
-    TOKENIZER,
     describe_tokenizer,
     format_problem,
     schema_problem,
@@ -54,7 +54,7 @@ from trainer.data.manifest import (
 )
 from trainer.data.shard_writer import StreamWriter, split_stream
 from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
-from trainer.data.tokenizer import EOT, VOCAB_SIZE
+from trainer.data.tokenizers import load_tokenizer, shard_dtype
 from trainer.errors import DataError
 from trainer.io import sha256_file
 from trainer.writable import check_writable_dir, first_missing, write_errors_as_user_errors
@@ -77,6 +77,8 @@ def as_data_cfg(data_cfg) -> DictConfig:
         raise TypeError(f"expected a data config, got {type(data_cfg).__name__}")
     if str(values.get("dir", "")).startswith("${oc.env:DTRAIN_DATA_DIR"):  # outside Hydra: resolve here
         values["dir"] = str(default_data_dir())
+    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: GPT-2's
+        values["tokenizer"] = {"name": "gpt2", "path": None, "vocab_size": None}
     return OmegaConf.create(values)
 
 
@@ -101,6 +103,9 @@ def prepare_command(cfg: DictConfig, force: bool = False) -> str:
     data_dir = Path(os.path.expanduser(str(cfg.dir)))
     if data_dir.resolve() != default_data_dir().resolve():
         parts.append(f"data.dir={cfg.dir}")
+    tok = cfg.get("tokenizer")
+    if tok is not None and tok.name != "gpt2":
+        parts += [f"tokenizer={tok.name}", f"tokenizer.path={tok.path}"]
     if force:
         parts.append("--force")
     return shlex.join(parts)
@@ -129,21 +134,27 @@ def load_manifest(path: Path) -> dict | None:
     return m
 
 
+def run_tokenizer(cfg: DictConfig) -> dict:
+    """The identity of the tokenizer the config names (cfg.tokenizer: the run's `tokenizer` group)."""
+    return load_tokenizer(cfg.tokenizer).identity
+
+
 def refuse_foreign_tokenizer(cfg: DictConfig, path: Path, manifest: dict) -> None:
-    """DataError when the manifest records another tokenizer than the GPT-2 one dtrain trains with:
-    its ids would be read as GPT-2's."""
-    problem = tokenizer_problem(manifest)
+    """DataError when the manifest records another tokenizer than the run's: its ids would be read
+    as another vocabulary's."""
+    ours = run_tokenizer(cfg)
+    problem = tokenizer_problem(manifest, ours)
     if problem:
-        ours = describe_tokenizer(TOKENIZER, VOCAB_SIZE, EOT)
-        raise DataError(f"{path} records {problem}, but dtrain trains with {ours}; prepare the dataset again "
-                        f"with it: run `{prepare_command(cfg, force=True)}`")
+        raise DataError(f"{path} records {problem}, but this run's tokenizer is {describe_tokenizer(ours)}; "
+                        "set tokenizer=... to the one the data was prepared with, or prepare it again with "
+                        f"this one: run `{prepare_command(cfg, force=True)}`")
 
 
 def _files_intact(root: Path, manifest: dict) -> bool:
     for entries in manifest["splits"].values():
         for e in entries:
             p = root / e["file"]
-            if not p.is_file() or p.stat().st_size != e["tokens"] * DTYPE.itemsize:
+            if not p.is_file() or p.stat().st_size != e["tokens"] * DTYPES[manifest['dtype']].itemsize:
                 return False
     return True
 
@@ -156,7 +167,7 @@ def is_prepared(data_cfg) -> bool:
 def _up_to_date(cfg: DictConfig) -> bool:
     root = dataset_dir(cfg)
     m = load_manifest(root / MANIFEST)
-    if m is None or m["settings"] != settings_of(cfg) or tokenizer_problem(m):
+    if m is None or m["settings"] != settings_of(cfg) or tokenizer_problem(m, run_tokenizer(cfg)):
         return False
     return _files_intact(root, m)
 
@@ -285,7 +296,9 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
 
 
 def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | None) -> dict:
-    writer = StreamWriter(tmp, cfg.shard_tokens)
+    tok = load_tokenizer(cfg.tokenizer)
+    dtype = shard_dtype(tok.vocab_size)
+    writer = StreamWriter(tmp, cfg.shard_tokens, DTYPES[dtype])
     max_tokens = cfg.max_tokens
     documents = 0
     by_tokens = source.size_hint is None and max_tokens is not None
@@ -293,15 +306,16 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
     num_proc = _num_proc(cfg)
     if source.size_hint is not None and source.size_hint <= PIECE_CHARS:
         num_proc = 1  # one task's worth of text: a pool would only add start-up time
-    with encoding_pool(num_proc) as run, bar:  # fork the pool before rich starts its thread
+    spec = {"name": tok.name, "path": tok.path}
+    with encoding_pool(num_proc, spec) as run, bar:  # fork the pool before rich starts its thread
         task = bar.add_task(
             f"tokenizing {cfg.name}", total=max_tokens if by_tokens else source.size_hint, tokens=0
         )
-        for tokens, chars in run(piece_batches(source.documents())):
+        for tokens, chars in run(piece_batches(source.documents(), cut_documents=tok.cuts_documents)):
             if max_tokens is not None and writer.total + len(tokens) > max_tokens:
                 tokens = tokens[: max_tokens - writer.total]
             writer.write(tokens)
-            documents += int(np.count_nonzero(tokens == EOT))
+            documents += int(np.count_nonzero(tokens == tok.eot))
             bar.update(task, advance=len(tokens) if by_tokens else chars, tokens=writer.total)
             if max_tokens is not None and writer.total >= max_tokens:
                 break
@@ -326,10 +340,9 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
     return {
         "format": FORMAT,
         "dataset": cfg.name,
-        "tokenizer": TOKENIZER,
-        "dtype": "uint16",
-        "eot": EOT,
-        "vocab_size": VOCAB_SIZE,
+        **tok.identity,  # tokenizer, vocab_size, eot, tokenizer_fingerprint
+        "tokenizer_path": tok.path,
+        "dtype": dtype,
         "source": source.description,
         "splits": splits,
         "documents": documents,

@@ -18,8 +18,8 @@ from trainer.data.layout import DTYPE
 class StreamWriter:
     """Appends tokens to ``stream_NNNNNN.bin`` files of at most ``shard_tokens`` tokens."""
 
-    def __init__(self, folder: Path, shard_tokens: int):
-        self.folder, self.shard_tokens = folder, shard_tokens
+    def __init__(self, folder: Path, shard_tokens: int, dtype: np.dtype = DTYPE):
+        self.folder, self.shard_tokens, self.dtype = folder, shard_tokens, dtype
         self.files: list[tuple[Path, int]] = []  # (path, tokens), in stream order
         self._f = None
         self.total = 0
@@ -55,7 +55,7 @@ def _copy_range(writer: StreamWriter, start: int, stop: int, out: Path, prefix: 
     for path, n in writer.files:
         lo, hi = max(start, base), min(stop, base + n)
         if lo < hi:
-            mm = np.memmap(path, dtype=DTYPE, mode="r")
+            mm = np.memmap(path, dtype=writer.dtype, mode="r")
             pos = lo
             while pos < hi:
                 if f is None or count >= shard_tokens:
@@ -85,7 +85,7 @@ def split_stream(writer: StreamWriter, n_val: int, out: Path, shard_tokens: int)
         keep = min(n, max(0, cut - base))
         if keep:
             if keep < n:
-                os.truncate(path, keep * DTYPE.itemsize)
+                os.truncate(path, keep * writer.dtype.itemsize)
             final = out / f"train_{len(train):06d}.bin"
             os.replace(path, final)
             train.append((final, keep))

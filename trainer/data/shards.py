@@ -1,4 +1,4 @@
-"""Open a prepared dataset's shards as read-only uint16 memory maps, after checking them."""
+"""Open a prepared dataset's shards as read-only memory maps (uint16 or uint32), after checking them."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from trainer.data.layout import DTYPE, MANIFEST, dataset_dir
+from trainer.data.layout import DTYPES, MANIFEST, dataset_dir
 from trainer.data.manifest import format_problem, schema_problem
 from trainer.data.prepare import as_data_cfg, prepare_command, refuse_foreign_tokenizer
-from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import DataError
 from trainer.writable import nearest_existing
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
-READ_BYTES = 1 << 22  # even: a block holds whole uint16 ids (a shard's size is checked first)
+READ_BYTES = 1 << 22  # a multiple of 4: a block holds whole ids of either dtype (a shard's size is checked first)
 
 
 def read_manifest(data_cfg) -> dict:
@@ -55,9 +54,9 @@ def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
 
 
 def open_split(data_cfg, split: str) -> list[np.memmap]:
-    """The shards of ``split`` ("train" or "val") as read-only uint16 memmaps, in order.
+    """The shards of ``split`` ("train" or "val") as read-only memmaps of the manifest's dtype, in order.
 
-    Every shard's size is checked; its sha256 and its ids (all within GPT-2's vocabulary) too when
+    Every shard's size is checked; its sha256 and its ids (all within the tokenizer's vocabulary) too when
     ``data.verify`` is "sha256", or "auto" and the split is under 1 GiB (otherwise the loader checks
     the ids of each batch it reads). Any mismatch raises DataError naming the file and the fix.
     """
@@ -76,12 +75,13 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
     if not entries or sum(e["tokens"] for e in entries) == 0:
         hint = "set data.val_fraction > 0 and " if split == "val" else ""
         raise DataError(f"the {split} split of dataset {cfg.name!r} in {root} is empty; {hint}{redo}")
-    total_bytes = sum(e["tokens"] for e in entries) * DTYPE.itemsize
+    dtype, vocab = DTYPES[manifest["dtype"]], manifest["vocab_size"]
+    total_bytes = sum(e["tokens"] for e in entries) * dtype.itemsize
     check_hash = cfg.verify == "sha256" or (cfg.verify == "auto" and total_bytes < AUTO_SHA256_LIMIT)
     maps = []
     for e in entries:
         path = root / e["file"]
-        expected = e["tokens"] * DTYPE.itemsize
+        expected = e["tokens"] * dtype.itemsize
         if not path.is_file():
             raise DataError(f"shard {path} is missing; {redo}")
         size = path.stat().st_size
@@ -91,12 +91,12 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
                 f"({e['tokens']} tokens); {redo}"
             )
         if check_hash:
-            digest, largest = _digest_and_largest_id(path)
+            digest, largest = _digest_and_largest_id(path, dtype)
             if digest != e["sha256"]:
                 raise DataError(f"shard {path} fails its sha256 check (corrupted or modified); {redo}")
-            if largest >= VOCAB_SIZE:
-                raise DataError(out_of_vocabulary(path, largest, redo))
-        maps.append(np.memmap(path, dtype=DTYPE, mode="r"))
+            if largest >= vocab:
+                raise DataError(out_of_vocabulary(path, largest, vocab, redo))
+        maps.append(np.memmap(path, dtype=dtype, mode="r"))
     return maps
 
 
@@ -105,17 +105,17 @@ def redo_command(data_cfg) -> str:
     return f"run `{prepare_command(as_data_cfg(data_cfg), force=True)}`"
 
 
-def out_of_vocabulary(path, token_id: int, redo: str) -> str:
+def out_of_vocabulary(path, token_id: int, vocab_size: int, redo: str) -> str:
     """The message for a shard holding an id the tokenizer (and so the model) does not have."""
-    return (f"shard {path} holds token id {token_id:,}, beyond the GPT-2 tokenizer's {VOCAB_SIZE:,} ids (the "
+    return (f"shard {path} holds token id {token_id:,}, beyond the tokenizer's {vocab_size:,} ids (the "
             f"dataset was not prepared by this dtrain or is damaged); {redo}")
 
 
-def _digest_and_largest_id(path: Path) -> tuple[str, int]:
+def _digest_and_largest_id(path: Path, dtype: np.dtype) -> tuple[str, int]:
     """The shard's sha256 and its largest token id, in one read of the file."""
     digest, largest = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while block := f.read(READ_BYTES):
             digest.update(block)
-            largest = max(largest, int(np.frombuffer(block, dtype=DTYPE).max()))
+            largest = max(largest, int(np.frombuffer(block, dtype=dtype).max()))
     return digest.hexdigest(), largest

@@ -1,8 +1,9 @@
 """Tokenizing a stream of documents in a process pool, in pieces of about 0.5 MB of text.
 
-Long documents are cut at line breaks whose neighbours are not whitespace; GPT-2's pre-tokenizer
-always splits there, so the pieces encode to exactly the tokens of the whole document. Each
-document's tokens are preceded by EOT (the separator prepare writes between documents).
+Long documents are cut at line breaks whose neighbours are not whitespace when the tokenizer is
+GPT-2's: its pre-tokenizer always splits there, so the pieces encode to exactly the tokens of the
+whole document (another tokenizer's documents are encoded whole). Each document's tokens are
+preceded by the tokenizer's end-of-text id (the separator prepare writes between documents).
 
 This module is what the pool's worker processes load (see _pool_context), so it imports only
 numpy and the tokenizer.
@@ -17,11 +18,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from trainer.data.layout import DTYPE
-from trainer.data.tokenizer import EOT, gpt2_encoding
+from trainer.data.layout import DTYPES
+from trainer.data.tokenizers import load_tokenizer, shard_dtype
 
 PIECE_CHARS = 1 << 19  # text per pool task (and the size long documents are cut to)
-_EOT_ARRAY = np.array([EOT], dtype=DTYPE)
+_SPEC: dict = {}  # the pool's tokenizer config (name, path): set in each worker by _init_worker
 
 
 def _safe_cut(text: str, lo: int, hi: int) -> int:
@@ -53,11 +54,13 @@ def split_document(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
         yield text[start:]
 
 
-def piece_batches(docs: Iterable[str], task_chars: int = PIECE_CHARS) -> Iterator[list[tuple[bool, str]]]:
-    """Batches of (starts_a_document, text) of about ``task_chars`` characters."""
+def piece_batches(docs: Iterable[str], task_chars: int = PIECE_CHARS,
+                  cut_documents: bool = True) -> Iterator[list[tuple[bool, str]]]:
+    """Batches of (starts_a_document, text) of about ``task_chars`` characters (a document longer
+    than that is cut only when ``cut_documents``: GPT-2's pre-tokenizer makes the cut exact)."""
     batch, size = [], 0
     for doc in docs:
-        for i, piece in enumerate(split_document(doc, task_chars)):
+        for i, piece in enumerate(split_document(doc, task_chars) if cut_documents else [doc]):
             batch.append((i == 0, piece))
             size += len(piece)
             if size >= task_chars:
@@ -68,19 +71,21 @@ def piece_batches(docs: Iterable[str], task_chars: int = PIECE_CHARS) -> Iterato
 
 
 def _encode_batch(batch: list[tuple[bool, str]]) -> tuple[np.ndarray, int]:
-    enc = gpt2_encoding()
+    tok = load_tokenizer(_SPEC)
+    dtype = DTYPES[shard_dtype(tok.vocab_size)]
+    eot = np.array([tok.eot], dtype=dtype)
     parts, chars = [], 0
     for starts_doc, piece in batch:
         if starts_doc:
-            parts.append(_EOT_ARRAY)
-        # encode_to_numpy with no special tokens allowed == encode_ordinary, without a Python list
-        parts.append(enc.encode_to_numpy(piece, disallowed_special=()).astype(DTYPE))
+            parts.append(eot)
+        parts.append(tok.encode(piece).astype(dtype))  # plain text: special tokens' strings are text
         chars += len(piece)
-    return (np.concatenate(parts) if parts else np.empty(0, DTYPE)), chars
+    return (np.concatenate(parts) if parts else np.empty(0, dtype)), chars
 
 
-def _init_worker() -> None:
-    gpt2_encoding()
+def _init_worker(spec: dict) -> None:
+    _SPEC.update(spec)
+    load_tokenizer(spec)
 
 
 def _pool_context():
@@ -96,14 +101,16 @@ def _pool_context():
 
 
 @contextlib.contextmanager
-def encoding_pool(num_proc: int):
+def encoding_pool(num_proc: int, spec: dict | None = None):
     """Yields ``run(batches) -> iterator of (tokens, chars)``, in order, on ``num_proc`` processes
-    (``batches`` as piece_batches makes them)."""
-    gpt2_encoding()  # load (or fetch) once here, so forked workers inherit it and errors surface early
+    (``batches`` as piece_batches makes them), encoded by the tokenizer ``spec`` names (a
+    `tokenizer` config as a dict: name, path; GPT-2's by default)."""
+    spec = dict(spec or {"name": "gpt2", "path": None})
+    _init_worker(spec)  # load (or fetch) once here, so errors surface before the pool starts
     if num_proc <= 1:
         yield lambda batches: (_encode_batch(b) for b in batches)
         return
-    pool = _pool_context().Pool(num_proc, initializer=_init_worker)
+    pool = _pool_context().Pool(num_proc, initializer=_init_worker, initargs=(spec,))
 
     def run(batches):
         pending = collections.deque()

@@ -29,6 +29,7 @@ from trainer.io import one_line, sha256_bytes, write_atomic
 EOT = 50256  # <|endoftext|>, the document separator
 VOCAB_SIZE = 50257
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_FINGERPRINT = GPT2_TIKTOKEN_SHA256[:16]  # what manifests and checkpoints record of it
 WHISPER_SPEC = "openai-whisper==20250625"
 WHISPER_SDIST = "openai_whisper-20250625.tar.gz"
 

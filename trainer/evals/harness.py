@@ -30,7 +30,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager, get_task_dict
 
-from trainer.data.tokenizer import EOT, gpt2_encoding
+from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, UserError
 from trainer.evals.shards import Shards
 from trainer.io import first_line, write_atomic
@@ -64,11 +64,11 @@ class DtrainLM(TemplateLM):
     backend = "causal"
 
     def __init__(self, model: torch.nn.Module, batch_size: int = 8, device: str | torch.device = "cpu",
-                 max_gen_toks: int = 256, shards: Shards | None = None, seed: int = 1234):
+                 max_gen_toks: int = 256, shards: Shards | None = None, seed: int = 1234, tokenizer=None):
         super().__init__()
         self._device = torch.device(device)
         self.model = model.to(self._device).eval()
-        self.enc = gpt2_encoding()
+        self.enc = tokenizer or GPT2Tokenizer()  # the run's (trainer/data/tokenizers.py)
         self.batch_size = batch_size
         self.max_length = model.config.block_size
         self.max_gen_toks = max_gen_toks
@@ -79,16 +79,16 @@ class DtrainLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return EOT
+        return self.enc.eot
 
     @property
     def tokenizer_name(self) -> str:
-        return "gpt2"
+        return self.enc.name if self.enc.name == "gpt2" else f"{self.enc.name}-{self.enc.fingerprint}"
 
     def tok_encode(self, string: str, **kwargs) -> list[int]:
-        # <|endoftext|> written in a prompt is the special token, as the GPT-2 tokenizer of transformers
-        # reads it; GPT-2 adds no BOS, so add_special_tokens (in kwargs) changes nothing.
-        return self.enc.encode(string, allowed_special="all")
+        # a special token written in a prompt is that token, as transformers' tokenizer reads it;
+        # no BOS is added (GPT-2 adds none), so add_special_tokens (in kwargs) changes nothing.
+        return self.enc.encode_prompt(string)
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.enc.decode(tokens)
@@ -144,7 +144,7 @@ class DtrainLM(TemplateLM):
         first one starts after <|endoftext|>, batched in request order as HFLM does."""
         windows, counts = [], []
         for (string,) in (req.args for req in requests):
-            rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=EOT,
+            rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string), prefix_token=self.enc.eot,
                                                          max_seq_len=self.max_length, context_len=1)
             doc = [lm_utils.make_disjoint_window(w) for w in rolling]
             windows += doc
@@ -195,7 +195,7 @@ class DtrainLM(TemplateLM):
         if unknown:
             raise ConfigError(f"a task's generation_kwargs has {', '.join(unknown)}, which dtrain's harness model "
                               f"does not apply; it takes {', '.join(sorted(GEN_KEYS))}")
-        until = handle_stop_sequences(kwargs["until"], eos=self.tok_decode([EOT]))
+        until = handle_stop_sequences(kwargs["until"], eos=self.tok_decode([self.enc.eot]))
         max_gen_toks = kwargs["max_gen_toks"]
         if max_gen_toks >= self.max_length:
             raise ConfigError(f"a task generates up to {max_gen_toks} tokens, which leaves no room for its "
@@ -222,7 +222,7 @@ class DtrainLM(TemplateLM):
             return any(s and s in text for s in until)
 
         new = generate(self.model, [prompt for _, prompt, _, _ in rows], max_gen_toks, sampling, generators,
-                       eot=EOT, stop=stop)
+                       eot=self.enc.eot, stop=stop)
         return [(index, postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None))
                 for (index, _, _, _), tokens in zip(rows, new)]
 

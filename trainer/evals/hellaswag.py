@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from trainer.data.downloads import download
-from trainer.data.tokenizer import gpt2_encoding
+from trainer.data.tokenizers import GPT2Tokenizer, load_tokenizer
 from trainer.errors import ConfigError, DataError
 from trainer.io import one_line, sha256_file, write_atomic
 
@@ -188,13 +188,14 @@ def fetch(url: str, dest: Path, sha256: str | None = None) -> Path:
 
 
 def encode_example(ex: Example, enc) -> EncodedExample:
-    """Context and endings as GPT-2 tokens; each ending gets a leading space, as the reference does.
+    """Context and endings as the run's tokens (`enc`: a trainer/data/tokenizers.py tokenizer); each
+    ending gets a leading space, as the reference does.
 
-    An empty context becomes <|endoftext|>, so that every ending token has something before it to
-    be predicted from.
+    An empty context becomes the end-of-text token, so that every ending token has something before
+    it to be predicted from.
     """
-    ctx = enc.encode_ordinary(ex.ctx) or [enc.eot_token]
-    return EncodedExample(ctx, [enc.encode_ordinary(" " + e) for e in ex.endings], ex.label,
+    ctx = [int(i) for i in enc.encode(ex.ctx)] or [enc.eot]
+    return EncodedExample(ctx, [[int(i) for i in enc.encode(" " + e)] for e in ex.endings], ex.label,
                           tuple(max(1, len(e)) for e in ex.endings))
 
 
@@ -291,7 +292,7 @@ class HellaSwagEval:
         if batch_examples < 1:
             raise ConfigError(f"eval.hellaswag.batch_examples={batch_examples} must be at least 1")
         if enc is None:
-            enc = gpt2_encoding()
+            enc = GPT2Tokenizer()
         self.n_total = len(examples)
         self.rank, self.world = rank, world
         self.batch_examples = batch_examples
@@ -308,7 +309,8 @@ class HellaSwagEval:
             raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")
         examples = rt.from_main(lambda: read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit),
                                 error=DataError)
-        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size)
+        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size,
+                   load_tokenizer(cfg.tokenizer))
 
     @property
     def n_local(self) -> int:
