@@ -297,6 +297,29 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return [list(point) for point in itertools.product(*axes.values())]
 
 
+SEEDS_KEY = "sweep.seeds"
+
+
+def expand_seeds(args: list[str], multirun: bool) -> list[str]:
+    """`sweep.seeds=N` as the axis it stands for, `train.seed=0,...,N-1`, in its place (the seeds
+    of one recipe are then consecutive points, and a re-run of the command finds the same points).
+    Refused in one line outside a sweep, beside another train.seed, or not a whole number >= 1."""
+    given = [a for a in args if a.partition("=")[0].lstrip("+") == SEEDS_KEY]
+    if not given:
+        return args
+    value = given[-1].partition("=")[2]
+    if not multirun:
+        raise UserError(f"{given[-1]} makes a sweep of seeds: add -m (dtrain train -m {given[-1]} ...)")
+    if any(a.partition("=")[0].lstrip("+~") == "train.seed" for a in args):
+        raise UserError(f"{given[-1]} and train.seed= both set the seed: give one of them")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{SEEDS_KEY}={value} must be a whole number of seeds, at least 1 (e.g. {SEEDS_KEY}=3)")
+    at = args.index(given[0])
+    rest = [a for a in args if a not in given]
+    axis = "train.seed=" + ",".join(str(seed) for seed in range(int(value)))
+    return [*rest[:at], axis, *rest[at:]]
+
+
 @contextlib.contextmanager
 def env_flag(name: str, value: str) -> Iterator[None]:
     """An environment variable set for the life of a `with` block, restored after."""

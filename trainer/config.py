@@ -234,6 +234,10 @@ class TrainConfig:
     # skips in a row / the rollbacks before the run stops anyway.
     on_nonfinite: str = "stop"
     max_nonfinite: int = 3
+    # Time to target (docs/evaluation.md): the first validation at or below this loss records the
+    # summary's `target` record and ends the run, unless continue_after_target. null = no target.
+    target_val_loss: Optional[float] = None
+    continue_after_target: bool = False
 
 
 @dataclass
@@ -267,6 +271,8 @@ class SweepConfig:
     # Multirun (`dtrain train -m`): stop at the first failed point (the later ones are recorded
     # as skipped) instead of running every point. Not part of a point's identity on a re-run.
     fail_fast: bool = False
+    # Shorthand for the axis train.seed=0,...,N-1 (docs/sweeps.md); null = none.
+    seeds: Optional[int] = None
 
 
 @dataclass

@@ -44,6 +44,9 @@ OPERATIONAL = (
     "train.log_interval", "train.val_interval", "train.val_batches", "train.progress",
     "train.eval_interval", "train.eval_batches",  # the old names of the two before (config.RENAMED_KEYS)
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
+    # when the run ends, not what any step learns: a target stops it early as a stop signal would,
+    # and the summary's `target` record names the target it met
+    "train.target_val_loss", "train.continue_after_target",
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
 )

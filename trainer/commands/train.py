@@ -30,6 +30,7 @@ from trainer.compose import (
     compose,
     config_source,
     env_flag,
+    expand_seeds,
     hydra_args,
     is_informational,
     register_hydra,
@@ -54,6 +55,8 @@ def cmd_train(args: list[str]) -> None:
     source = config_source(args)
     with plugin_hint():
         overrides, multirun = split_args(args)
+        args = expand_seeds(args, multirun)  # sweep.seeds=N: the axis train.seed=0,...,N-1
+        overrides, _ = split_args(args)
         if is_informational(args):
             if not any(a in ("--help", "-h", "--hydra-help") for a in args):
                 compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page
