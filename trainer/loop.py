@@ -56,6 +56,7 @@ class RunResult:
     wall_s: float
     steps: int
     train_s: float = 0.0  # in training steps only, the first step of each session excepted (StepLog)
+    excluded_s: dict = field(default_factory=dict)  # the other seconds by kind: beside the figures too
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
     # what produced the figures (trainer/provenance.py): in the summary record beside the figures,
@@ -285,6 +286,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
             train_s=state.train_s,
+            excluded_s=dict(state.excluded_s),
             ran=what_ran(rt) if rt.is_main else {},
             target=watch.record(state),
         )
@@ -296,7 +298,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
             figures = asdict(result)
-            beside = {"ran": figures.pop("ran"), "target": figures.pop("target")}
+            beside = {key: figures.pop(key) for key in ("ran", "excluded_s", "target")}  # not numbers
             beside = {k: v for k, v in beside.items() if v is not None}  # no target: no `target` record
             metrics.log({"step": state.step, "tokens": state.tokens, **beside, "summary": figures})
         return result
