@@ -10,8 +10,11 @@ import math
 import pytest
 from conftest import read_metrics, run_dtrain, tiny_args
 
+from trainer.compose import compose
 from trainer.config import TrainConfig
+from trainer.errors import ConfigError
 from trainer.target import TargetWatch, describe_target
+from trainer.validation import check_ranges
 
 SEQ_LEN = 64
 TOKENS_PER_STEP = 4 * SEQ_LEN  # tiny_args: micro batch 4 x seq 64, one process, no accumulation
@@ -25,7 +28,7 @@ def val_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
 
 
-@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+@pytest.mark.parametrize("value", ["-1", "nan"])
 def test_a_bad_target_is_one_error_line_before_anything_is_written(data_dir, tmp_path, value):
     run_dir = tmp_path / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, f"train.target_val_loss={value}"))
@@ -34,6 +37,13 @@ def test_a_bad_target_is_one_error_line_before_anything_is_written(data_dir, tmp
     assert len(lines) == 1 and lines[0].startswith("error: train.target_val_loss=")
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "inf", "nan"])
+def test_the_checks_refuse_every_target_no_loss_can_meet(value):
+    with pytest.raises(ConfigError, match=r"^train\.target_val_loss="):
+        check_ranges(compose([f"train.target_val_loss={value}"]))
+    check_ranges(compose(["train.target_val_loss=4.5", "train.continue_after_target=true"]))
 
 
 def test_a_bad_target_in_a_sweep_is_refused_before_the_sweep_folder(data_dir, tmp_path):
@@ -135,3 +145,21 @@ def test_a_target_never_met_says_so(data_dir, tmp_path):
     assert end["target"] == {"reached": False, "target_val_loss": 1.5, "step": 4,
                              "best_val_loss": end["summary"]["best_val_loss"]}
     assert "not reached in 4 steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_continued_run_adds_to_the_training_seconds_of_its_checkpoint(data_dir, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_dtrain(tiny_args(data_dir, first, "train.max_steps=4", "train.val_interval=2", "checkpoint.interval=2",
+                         "train.target_val_loss=1.5"), check=True)
+    before = end_record(first)
+    assert not before["target"]["reached"]
+    # continued to 8 steps with a target its first evaluation meets: the seconds are both sessions'
+    run_dtrain(tiny_args(data_dir, second, "train.max_steps=8", "train.val_interval=2", "train.target_val_loss=11",
+                         f"resume={first / 'checkpoints' / 'step_000004'}"), check=True)
+    after = end_record(second)
+    target = after["target"]
+    assert target["reached"] and target["step"] == after["step"] == 6
+    assert target["train_s"] > before["summary"]["train_s"]
+    assert target["excluded_s"]["warmup"] > before["excluded_s"]["warmup"]  # each session's first step
+    assert target["excluded_s"]["evaluation"] > before["excluded_s"]["evaluation"]
