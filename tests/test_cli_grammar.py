@@ -39,7 +39,7 @@ def test_the_suggestion_reaches_the_error_line():
     assert_user_error(proc, "optim.learning_rate is not a config key; did you mean optim.lr?")
 
 
-# --- renamed keys: the old names still work, with a notice (trainer/config.py RENAMED_KEYS) -------
+# --- renamed keys: the old names still work, with a notice (trainer/config_keys.py RENAMED_KEYS) -------
 
 def test_old_key_names_set_the_new_keys():
     cfg = compose(["train.eval_interval=7", "train.eval_batches=3", "eval.interval=5"])

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
 from trainer.compose import compose
-from trainer.config import TOKENIZER_VOCAB_SIZE, to_dict
+from trainer.config import to_dict
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
 from trainer.model import build_model
@@ -26,6 +26,7 @@ from trainer.parallel import STRATEGIES, make_strategy
 from trainer.rundir import write_config_record
 from trainer.runtime import Runtime
 from trainer.validation import RANGES, check_ranges, validate
+from trainer.vocab import TOKENIZER_VOCAB_SIZE
 from trainer.writable import write_errors_as_user_errors
 
 

@@ -24,8 +24,8 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, apply_renamed_keys, register_configs, schema_keys
-from trainer.config_keys import run_identity
+from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
+from trainer.config_keys import apply_renamed_keys, run_identity
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
@@ -300,6 +300,29 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
                   else [override.get_value_element_as_str()])
         axes[key] = [f"{key}={value}" for value in values]
     return [list(point) for point in itertools.product(*axes.values())]
+
+
+SEEDS_KEY = "sweep.seeds"
+
+
+def expand_seeds(args: list[str], multirun: bool) -> list[str]:
+    """`sweep.seeds=N` as the axis it stands for, `train.seed=0,...,N-1`, in its place (the seeds
+    of one recipe are then consecutive points, and a re-run of the command finds the same points).
+    Refused in one line outside a sweep, beside another train.seed, or not a whole number >= 1."""
+    given = [a for a in args if a.partition("=")[0].lstrip("+") == SEEDS_KEY]
+    if not given:
+        return args
+    value = given[-1].partition("=")[2]
+    if not multirun:
+        raise UserError(f"{given[-1]} makes a sweep of seeds: add -m (dtrain train -m {given[-1]} ...)")
+    if any(a.partition("=")[0].lstrip("+~") == "train.seed" for a in args):
+        raise UserError(f"{given[-1]} and train.seed= both set the seed: give one of them")
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{SEEDS_KEY}={value} must be a whole number of seeds, at least 1 (e.g. {SEEDS_KEY}=3)")
+    at = args.index(given[0])
+    rest = [a for a in args if a not in given]
+    axis = "train.seed=" + ",".join(str(seed) for seed in range(int(value)))
+    return [*rest[:at], axis, *rest[at:]]
 
 
 @contextlib.contextmanager

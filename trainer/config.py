@@ -6,9 +6,6 @@ wrong type fails while the config is composed, before any work starts.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -16,9 +13,11 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from trainer.config_keys import apply_renamed_keys
 from trainer.env import launched_world
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
+from trainer.vocab import VOCAB_RESOLVER
 
 # A checkout (or an editable install) reads the top-level conf/; a wheel carries it as trainer/conf.
 _PACKAGED_CONF = Path(__file__).resolve().parent / "conf"
@@ -31,10 +30,6 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # torch.compile's modes (train.compile_mode): "reduce-overhead" replays the step's kernels as CUDA
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# Token ids the data holds: every dataset is encoded with GPT-2's BPE (trainer/data/tokenizer.py's
-# VOCAB_SIZE, kept here so that checking a config imports no tokenizer; a test keeps them equal).
-TOKENIZER_VOCAB_SIZE = 50257
-TOKENIZERS = ("gpt2", "hf")  # the `tokenizer` group (trainer/data/tokenizers.py)
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
@@ -59,92 +54,6 @@ MAX_SEED = 2**64 - 1
 # so 10,000 tokens (about 40 KB of text, ten GPT-2 windows) is already up to an hour, and 10**20
 # never ends. A longer text is several samples, each continuing the last (--prompt).
 MAX_SAMPLE_TOKENS = 10_000
-
-
-VOCAB_RESOLVER = "dtrain_tokenizer_vocab"
-SOURCE_TOKENIZER_RESOLVER = "dtrain_source_tokenizer"  # conf/tokenizer/auto.yaml
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_vocab_size(file: str, mtime_ns: int) -> int:
-    spec = json.loads(Path(file).read_text(encoding="utf-8"))
-    ids = list(spec.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in spec.get("added_tokens", [])]
-    return max(ids) + 1
-
-
-def tokenizer_vocab_size(name: str, path: str | None) -> int:
-    """How many ids the `tokenizer` config's tokenizer has, read from its tokenizer.json (stdlib
-    only: the checks run before torch and before the `tokenizers` library). GPT-2's when it cannot
-    be read: the tokenizer's own check (trainer/data/tokenizers.py) then names what is wrong."""
-    if name == "hf" and path:
-        file = Path(str(path)).expanduser() / "tokenizer.json"
-        try:
-            return _hf_vocab_size(str(file.absolute()), file.stat().st_mtime_ns)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            pass
-    return TOKENIZER_VOCAB_SIZE
-
-
-def tokenizer_tag(tok) -> str | None:
-    """A short tag of a non-GPT-2 tokenizer's file (the first 8 hex digits of its sha256, as its
-    fingerprint begins), for the folder its datasets are prepared in; None for GPT-2's or when the
-    file cannot be read (the tokenizer's own check then says why)."""
-    if tok is None or tok.get("name") != "hf" or not tok.get("path"):
-        return None
-    try:
-        return hashlib.sha256((Path(str(tok["path"])).expanduser() / "tokenizer.json").read_bytes()).hexdigest()[:8]
-    except OSError:
-        return None
-
-
-def source_tokenizer(init_from: str | None, field: str) -> str | None:
-    """tokenizer=auto (the default): the tokenizer of model.init_from's Hugging Face folder when it
-    holds a tokenizer.json other than GPT-2's (SmolLM2, Llama 3, Qwen3 ...), so fine-tuning a real
-    checkpoint needs no extra key; else GPT-2's. `field`: "name" or "path"."""
-    folder = Path(str(init_from)).expanduser() if init_from and init_from != INIT_FROM_REQUIRED else None
-    if folder is None or not (folder / "tokenizer.json").is_file():
-        return "gpt2" if field == "name" else None
-    try:  # GPT-2's own tokenizer.json (a GPT-2 folder) is the same BPE: keep tiktoken's, and its datasets
-        vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
-        is_gpt2 = len(vocab) == TOKENIZER_VOCAB_SIZE and vocab.get("<|endoftext|>") == TOKENIZER_VOCAB_SIZE - 1
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        is_gpt2 = False
-    if is_gpt2:
-        return "gpt2" if field == "name" else None
-    return "hf" if field == "name" else str(folder.absolute())
-
-
-OmegaConf.register_new_resolver(VOCAB_RESOLVER, tokenizer_vocab_size, replace=True)
-OmegaConf.register_new_resolver(SOURCE_TOKENIZER_RESOLVER, source_tokenizer, replace=True)
-
-
-def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None, multiple_of: int) -> int:
-    """The MLP's hidden width: model.mlp_hidden, else 4 x n_embd, or for SwiGLU Llama's rule (two
-    thirds of 4 x n_embd, which keeps its three matrices at the two matrices' parameter count,
-    rounded up to a multiple of `multiple_of`)."""
-    if mlp_hidden is not None:
-        return mlp_hidden
-    if mlp != "swiglu":
-        return 4 * n_embd
-    hidden = int(2 * 4 * n_embd / 3)
-    return (hidden + multiple_of - 1) // multiple_of * multiple_of
-
-
-def parameter_count(m) -> int:
-    """The model's parameters (a tied embedding once), counted from the shape of the model section
-    alone, as trainer/model builds them: what the size checks read before any model exists (a test
-    keeps it equal to the built model's count for every preset)."""
-    C, kv = m.n_embd, (m.n_kv_head or m.n_head) * (m.n_embd // m.n_head)
-    vocab = (m.vocab_size + m.pad_vocab_multiple - 1) // m.pad_vocab_multiple * m.pad_vocab_multiple
-    hidden = mlp_width(C, m.mlp, m.mlp_hidden, m.mlp_multiple_of)
-    fc_out = 2 * hidden if m.mlp == "swiglu" else hidden
-    norm = C * (2 if m.norm == "layernorm" and m.bias else 1)  # RMSNorm and LayerNorm(bias=False): a weight
-    linear_bias = (C + 2 * kv) + C + fc_out + C if m.bias else 0  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-    qk_norm = 2 * (m.n_embd // m.n_head) if m.qk_norm else 0
-    block = 2 * norm + C * (C + 2 * kv) + C * C + C * fc_out + hidden * C + linear_bias + qk_norm
-    positions = m.block_size * C if m.pos == "learned" else 0  # RoPE has no table
-    head = 0 if m.tie_embeddings else vocab * C
-    return vocab * C + positions + m.n_layer * block + norm + head
 
 
 @dataclass
@@ -309,6 +218,10 @@ class TrainConfig:
     # skips in a row / the rollbacks before the run stops anyway.
     on_nonfinite: str = "stop"
     max_nonfinite: int = 3
+    # Time to target (docs/evaluation.md): the first validation at or below this loss records the
+    # summary's `target` record and ends the run, unless continue_after_target. null = no target.
+    target_val_loss: Optional[float] = None
+    continue_after_target: bool = False
 
 
 @dataclass
@@ -342,6 +255,8 @@ class SweepConfig:
     # Multirun (`dtrain train -m`): stop at the first failed point (the later ones are recorded
     # as skipped) instead of running every point. Not part of a point's identity on a re-run.
     fail_fast: bool = False
+    # Shorthand for the axis train.seed=0,...,N-1 (docs/sweeps.md); null = none.
+    seeds: Optional[int] = None
 
 
 @dataclass
@@ -403,28 +318,6 @@ def from_dict(data: dict) -> DictConfig:
     return cfg
 
 
-# Keys renamed so that a name says what it is: validation loss (train.val_*) is not HellaSwag
-# (eval.*). The old names still work, with a notice: the schema keeps them as None, and every
-# composed or recorded config moves a value given under an old name to the new one.
-RENAMED_KEYS = {
-    "train.eval_interval": "train.val_interval",
-    "train.eval_batches": "train.val_batches",
-    "eval.interval": "eval.hellaswag.interval",
-}
-
-
-def apply_renamed_keys(cfg: DictConfig) -> list[str]:
-    """Move values set under an old name (RENAMED_KEYS) to the new one (the old name wins: it is
-    what the user wrote); returns one notice per old name used."""
-    notices = []
-    for old, new in RENAMED_KEYS.items():
-        value = OmegaConf.select(cfg, old, default=None)
-        if value is None:
-            continue
-        OmegaConf.update(cfg, new, value, merge=False)
-        OmegaConf.update(cfg, old, None, merge=False)
-        notices.append(f"{old} is now {new} (the old name still works; {new}={value} is what it set)")
-    return notices
 
 
 @dataclass(frozen=True)

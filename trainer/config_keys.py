@@ -19,6 +19,8 @@ import hashlib
 import json
 import re
 
+from omegaconf import DictConfig, OmegaConf
+
 from trainer.io import dotted_keys
 
 TRAJECTORY = (
@@ -44,8 +46,11 @@ OPERATIONAL = (
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
     "train.log_interval", "train.val_interval", "train.val_batches", "train.progress",
-    "train.eval_interval", "train.eval_batches",  # the old names of the two before (config.RENAMED_KEYS)
+    "train.eval_interval", "train.eval_batches",  # the old names of the two before (RENAMED_KEYS)
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
+    # when the run ends, not what any step learns: a target stops it early as a stop signal would,
+    # and the summary's `target` record names the target it met
+    "train.target_val_loss", "train.continue_after_target",
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
     "tokenizer.vocab_size", "data.tokenizer.vocab_size",  # only `dtrain tokenizer train` reads it
@@ -81,3 +86,27 @@ def run_identity(config: dict) -> str:
     model, data = config.get("model", {}).get("name"), config.get("data", {}).get("name")
     parts = [str(p) for p in (model, data) if p] + [digest]
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in parts)
+
+
+# Keys renamed so that a name says what it is: validation loss (train.val_*) is not HellaSwag
+# (eval.*). The old names still work, with a notice: the schema keeps them as None, and every
+# composed or recorded config moves a value given under an old name to the new one.
+RENAMED_KEYS = {
+    "train.eval_interval": "train.val_interval",
+    "train.eval_batches": "train.val_batches",
+    "eval.interval": "eval.hellaswag.interval",
+}
+
+
+def apply_renamed_keys(cfg: DictConfig) -> list[str]:
+    """Move values set under an old name (RENAMED_KEYS) to the new one (the old name wins: it is
+    what the user wrote); returns one notice per old name used."""
+    notices = []
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(cfg, old, default=None)
+        if value is None:
+            continue
+        OmegaConf.update(cfg, new, value, merge=False)
+        OmegaConf.update(cfg, old, None, merge=False)
+        notices.append(f"{old} is now {new} (the old name still works; {new}={value} is what it set)")
+    return notices

@@ -13,7 +13,7 @@ import torch
 from rich.markup import escape
 
 from trainer.checkpoint.init_from import start_from_weights
-from trainer.config import BatchPlan, batch_plan, tokenizer_vocab_size
+from trainer.config import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split, redo_command
 from trainer.data.tokenizers import load_tokenizer
@@ -21,7 +21,6 @@ from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.generate import generate_text
 from trainer.joblog import job_log
-from trainer.memory import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView
 from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
@@ -30,7 +29,10 @@ from trainer.parallel import make_strategy
 from trainer.provenance import describe, what_ran
 from trainer.runtime import Runtime
 from trainer.signals import at_step_boundary
+from trainer.steplog import StepLog
+from trainer.target import TargetWatch, describe_target
 from trainer.trackers import open_trackers
+from trainer.vocab import tokenizer_vocab_size
 
 
 @dataclass
@@ -41,6 +43,9 @@ class TrainState:
     tokens: int = 0  # training tokens consumed, all ranks
     best_val_loss: float = math.inf
     last_loss: float = math.nan
+    train_s: float = 0.0  # seconds in training steps (StepLog), all sessions
+    excluded_s: dict = field(default_factory=dict)  # the other seconds, by kind: evaluation, checkpoint, ...
+    target: dict | None = None  # train.target_val_loss's record once reached (trainer/target.py)
 
 
 @dataclass
@@ -53,11 +58,14 @@ class RunResult:
     wall_s: float
     steps: int
     final_val_bpb: float = math.nan  # bits per byte at the last validation (Run.val_loss)
+    train_s: float = 0.0  # in training steps only, the first step of each session excepted (StepLog)
+    excluded_s: dict = field(default_factory=dict)  # the other seconds by kind: beside the figures too
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
     # what produced the figures (trainer/provenance.py): in the summary record beside the figures,
     # not among them (trackers log the figures)
     ran: dict = field(default_factory=dict)
+    target: dict | None = None  # train.target_val_loss: beside the figures too (trainer/target.py)
 
 
 class Run:
@@ -245,6 +253,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         )
     steps = StepLog(run, metrics, view)
     guard = run.guard
+    watch = TargetWatch(t, run.flops_per_token)
     t_start = steps.t_first
     val_bpb = math.nan  # the last validation's bits per byte (the summary's)
     try:
@@ -261,7 +270,10 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 val_bpb = bpb
                 metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val, "val_bpb": bpb})
                 view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}")
-                steps.restart_window()  # tokens/s measures training, not evaluation
+                steps.restart_window(excluded="evaluation")  # tokens/s measures training, not evaluation
+                if watch.reached(val, state):  # the run ends here, unless train.continue_after_target
+                    view.print(f"time to target: {describe_target(state.target)}")
+                    last = True
                 if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer, metrics):
                     continue
             if hellaswag is not None and (state.step % cfg.eval.hellaswag.interval == 0 or last):
@@ -270,14 +282,16 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 view.print(f"step {state.step}: hellaswag acc_norm {hs.acc_norm:.4f} "
                            f"acc_per_token {hs.acc_per_token:.4f} "
                            f"acc {hs.acc:.4f} (n={hs.n})")
-                steps.restart_window()
+                steps.restart_window(excluded="evaluation")
             try:
                 if checkpointer is not None and checkpointer.after_step(run, last):
-                    steps.restart_window()
+                    steps.restart_window(excluded="checkpoint")
             except NonFiniteError as refused:  # non-finite weights after a finite step: rollback's business
                 guard.respond("weights", run, checkpointer, metrics, refused=refused)
                 steps.restart_window()
             at_step_boundary(run, checkpointer)  # a stop signal: all ranks save here and raise Stopped
+            if last:  # max_steps, or the target reached
+                break
         wall = time.perf_counter() - t_start
         result = RunResult(
             final_loss=state.last_loss,
@@ -290,7 +304,10 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             steps=state.step,
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
+            train_s=state.train_s,
+            excluded_s=dict(state.excluded_s),
             ran=what_ran(rt) if rt.is_main else {},
+            target=watch.record(state),
         )
         view.close()
         if t.sample_tokens > 0:
@@ -300,93 +317,15 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
             figures = asdict(result)
-            metrics.log({"step": state.step, "tokens": state.tokens, "ran": figures.pop("ran"), "summary": figures})
+            beside = {key: figures.pop(key) for key in ("ran", "excluded_s", "target")}  # not numbers
+            beside = {k: v for k, v in beside.items() if v is not None}  # no target: no `target` record
+            metrics.log({"step": state.step, "tokens": state.tokens, **beside, "summary": figures})
         return result
     finally:
         view.close()
         metrics.close()
         if checkpointer is not None:
             checkpointer.close()
-
-
-class StepLog:
-    """The loop's bookkeeping after each optimizer step: counters, and every log_interval steps
-    (and on the first and last) one host sync for the loss, tokens/s, MFU, ETA and the log record.
-
-    tokens/s is measured in windows that end at a logged step and restart after evaluation or a
-    checkpoint, so it is training throughput; the summary's "training steps" figure is the same
-    measure over all the windows but the session's first step, which holds torch.compile's
-    compilation and the allocator's warm-up (23 s of a 30-step compiled gpt2_124m run on an H100:
-    with it the figure read 16,828 tok/s against the step lines' 360,000); its wall-clock figure
-    counts everything."""
-
-    def __init__(self, run: Run, metrics: MetricsLogger, view: ProgressView):
-        self.run, self.metrics, self.view = run, metrics, view
-        t = run.cfg.train
-        self.log_interval, self.max_steps = t.log_interval, t.max_steps
-        self.first_step = run.state.step + 1
-        self.tokens_per_step = run.plan.total_batch_size
-        # MFU = model FLOPs per token x tokens/s over the peak of every device (all ranks' tokens).
-        peak = device_peak_flops(run.rt.device, t.peak_flops)
-        self.peak_total = peak * run.rt.world if peak else None
-        self.trained_tokens = 0
-        self.window_tokens = 0  # tokens and seconds of the windows closed at a logged step
-        self.window_seconds = 0.0
-        self.warmup_window: tuple[int, float] | None = None  # the first step's (see the docstring)
-        self.t_first = time.perf_counter()  # the training's start (ETA and the wall-clock figure)
-        self.restart_window(self.t_first)
-
-    def restart_window(self, now: float | None = None) -> None:
-        """Start a new tokens/s window (after evaluation or checkpointing, which are not training)."""
-        self.t_window = time.perf_counter() if now is None else now
-        self.tokens_window = 0
-
-    def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        """Account for the step Run.train_step just completed; log it when due."""
-        state = self.run.state
-        self.tokens_window += self.tokens_per_step
-        self.trained_tokens += self.tokens_per_step
-        finite = self.run.guard.finite  # a non-finite step is always logged (its numbers as null)
-        if finite and state.step % self.log_interval and state.step not in (self.max_steps, self.first_step):
-            return
-        loss_value = float(loss)  # reduced over ranks and read by the step's check: no extra sync
-        now = time.perf_counter()
-        tokens_per_s = self.tokens_window / (now - self.t_window)
-        if self.warmup_window is None:
-            self.warmup_window = (self.tokens_window, now - self.t_window)
-        else:
-            self.window_tokens += self.tokens_window
-            self.window_seconds += now - self.t_window
-        self.restart_window(now)
-        if finite:
-            state.last_loss = loss_value
-        record = {
-            "step": state.step,
-            "tokens": state.tokens,
-            "loss": loss_value,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens_per_s": tokens_per_s,
-            "skipped": self.run.guard.take_skips(),  # updates skipped since the previous train line
-        }
-        if self.peak_total:
-            record["mfu"] = self.run.flops_per_token * tokens_per_s / self.peak_total
-        self.metrics.log(record)
-        self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now))
-
-    def _eta(self, now: float) -> float | None:
-        """Seconds left at this session's pace so far (evaluation and checkpoints included)."""
-        done = self.run.state.step - self.first_step + 1
-        if done <= 0:
-            return None
-        return (now - self.t_first) / done * (self.max_steps - self.run.state.step)
-
-    def training_tokens_per_s(self) -> float:
-        """Over every logged window but the first step's; a session of one window has only that one."""
-        tokens, seconds = self.window_tokens, self.window_seconds
-        if seconds <= 0 and self.warmup_window is not None:
-            tokens, seconds = self.warmup_window
-        return tokens / seconds if seconds > 0 else 0.0
 
 
 def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
@@ -400,6 +339,7 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
         "wall time": f"{result.wall_s:.1f} s",
+        **({"time to target": describe_target(result.target)} if result.target else {}),
         "ran with": describe(result.ran),
         "run dir": str(run_dir),
     }

@@ -62,12 +62,12 @@ import re
 import torch
 from omegaconf import OmegaConf
 
-from trainer.config import parameter_count
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
 from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
+from trainer.shape import parameter_count
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
 # Most specific names first.

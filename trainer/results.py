@@ -23,6 +23,11 @@ HARNESS_FILE = "eval_harness.json"
 NOT_IDENTITY = ("sweep.", "hydra.", "hydra/")
 
 
+def identity(overrides: list[str]) -> list[str]:
+    """The overrides that decide what a run trains (sweep.* and hydra settings excluded)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY)]
+
+
 def finite_or_none(value: Any) -> float | None:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)
@@ -49,7 +54,8 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
     recorded)."""
     if records is None:
         records = read_metrics(run_dir / METRICS_FILE)
-    summary = next((r["summary"] for r in reversed(records) if isinstance(r.get("summary"), dict)), None)
+    end = next((r for r in reversed(records) if isinstance(r.get("summary"), dict)), None)
+    summary = None if end is None else end["summary"]
     train = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if finite_or_none(r.get("val_loss")) is not None]
     hellaswag = [r["hellaswag_acc_norm"] for r in records if finite_or_none(r.get("hellaswag_acc_norm")) is not None]
@@ -58,18 +64,41 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
         "tokens": max((r.get("tokens", 0) for r in records), default=0),
         "final_loss": finite_or_none(train[-1]["loss"]) if train else None,
         "best_val_loss": min(vals) if vals else None,
+        "final_val_loss": vals[-1] if vals else None,
         "hellaswag_acc_norm": hellaswag[-1] if hellaswag else evaluated_hellaswag(run_dir),
         "tokens_per_s": None,
+        "train_tokens_per_s": None,
         "wall_s": None,
+        **target_figures(None if end is None else end.get("target")),
     }
     if summary is not None:
-        for key in ("final_loss", "best_val_loss", "tokens_per_s", "wall_s", "steps", "tokens"):
+        for key in ("final_loss", "best_val_loss", "tokens_per_s", "train_tokens_per_s", "wall_s", "steps", "tokens"):
             if finite_or_none(summary.get(key)) is not None:
                 figures[key] = summary[key]
     elif train:
         rates = [r["tokens_per_s"] for r in train if finite_or_none(r.get("tokens_per_s")) is not None]
         figures["tokens_per_s"] = sum(rates) / len(rates) if rates else None
     return summary is not None, figures
+
+
+def target_figures(target: Any) -> dict[str, Any]:
+    """The summary's `target` record (trainer/target.py) as figures: whether the run reached its
+    train.target_val_loss, and the training seconds, tokens, step and FLOPs it took (None where the
+    run had no target or did not reach it)."""
+    target = target if isinstance(target, dict) else {}
+    reached = target.get("reached") if target else None
+    figures = {"target_reached": reached}
+    for key in ("train_s", "tokens", "step", "flops"):
+        figures[f"target_{key}"] = finite_or_none(target.get(key)) if reached else None
+    return figures
+
+
+def _target_cell(record: dict[str, Any]) -> str:
+    if record.get("target_reached") is None:
+        return "-"
+    if not record["target_reached"]:
+        return "not reached"
+    return f"{_fmt(record.get('target_train_s'), '.1f')} s\n{_fmt(record.get('target_tokens'), ',.0f')} tok"
 
 
 def read_status(point_dir: Path) -> dict[str, Any] | None:
@@ -151,11 +180,15 @@ def results_table(records: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title, caption=caption, caption_justify="left")
     columns = (("#", "right"), ("overrides", "left"), ("status", "left"), ("train loss", "right"),
                ("best val", "right"), ("HellaSwag", "right"), ("tok/s", "right"), ("wall", "right"))
+    with_target = any(r.get("target_reached") is not None for r in records)
+    if with_target:  # train.target_val_loss: training seconds and tokens to it
+        columns += (("to target", "right"),)
     for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("overrides", "status"))
     for record, label, name in zip(records, row_labels, names):
         status = record.get("status", "?")
         style = STATUS_STYLE.get(status, "")
+        target = (_target_cell(record),) if with_target else ()
         table.add_row(
             str(record["num"]) if record.get("num") is not None else name,
             label.replace(" ", "\n") if label != name else "-",  # one override a line
@@ -165,6 +198,7 @@ def results_table(records: list[dict[str, Any]], title: str) -> Table:
             _fmt(record.get("hellaswag_acc_norm"), ".4f"),
             _fmt(record.get("tokens_per_s"), ",.0f"),
             "-" if record.get("wall_s") is None else f"{record['wall_s']:.1f} s",
+            *target,
         )
     return table
 

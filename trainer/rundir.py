@@ -110,12 +110,17 @@ def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ())
 
 
 def _finished(run_dir: Path, config: dict) -> bool:
-    """The run logged its end-of-run summary at train.max_steps (and a checkpoint, if any, agrees)."""
+    """The run logged its end-of-run summary at train.max_steps, or where it met its target
+    (trainer/target.py) unless now told to go on after it (and a checkpoint, if any, agrees)."""
     summary = [r for r in read_metrics(run_dir / METRICS_FILE) if isinstance(r.get("summary"), dict)]
-    if not summary or summary[-1].get("step") != config["train"]["max_steps"]:
+    if not summary:
+        return False
+    at_target = (summary[-1].get("target") or {}).get("reached") and not config["train"].get("continue_after_target")
+    last = summary[-1].get("step") if at_target else config["train"]["max_steps"]
+    if summary[-1].get("step") != last:
         return False
     newest = latest_checkpoint(run_dir)
-    return newest is None or checkpoint_step(newest) == config["train"]["max_steps"]
+    return newest is None or checkpoint_step(newest) == last
 
 
 def finished_message(run_dir: Path) -> str:

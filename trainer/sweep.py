@@ -34,10 +34,10 @@ from trainer.errors import Stopped, UserError
 from trainer.io import write_atomic
 from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
 from trainer.results import (
-    NOT_IDENTITY,
     STATUS_FILE,
     STATUS_STYLE,
     finite_or_none,
+    identity,
     live_status,
     point_dirs,
     read_overrides,
@@ -47,6 +47,7 @@ from trainer.results import (
     table_console,
 )
 from trainer.rundir import RunDirLock
+from trainer.stats import seed_statistics
 from trainer.writable import check_writable_dir, folder_setting
 
 SUMMARY_FILE = "summary.jsonl"
@@ -89,11 +90,6 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     if records or (sweep_dir / SUMMARY_FILE).exists():
         write_atomic(sweep_dir / SUMMARY_FILE, "".join(json.dumps(r) + "\n" for r in records))
     return records
-
-
-def identity(overrides: list[str]) -> list[str]:
-    """The overrides that decide what a point trains (sweep.* settings excluded)."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY)]
 
 
 # --- one point --------------------------------------------------------------------------------
@@ -253,6 +249,10 @@ def finish_sweep(sweep_dir: Path, console: Console | None = None) -> list[dict[s
         return records
     console = console or table_console()
     console.print(results_table(records, f"sweep {sweep_dir}"))
+    finished = [r for r in records if r.get("status") == "ok"]
+    _, seeds = seed_statistics(finished, identity, f"sweep {sweep_dir}: seeds (train.seed) per group")
+    if seeds is not None:
+        console.print(seeds, highlight=False, soft_wrap=True)
     for r in records:
         if r.get("status") != "ok" and r.get("error"):
             console.print(f"[{STATUS_STYLE.get(r.get('status'), '')}]#{r.get('num')} {r.get('status')}:[/] "

@@ -27,17 +27,15 @@ from trainer.config import (
     PARALLEL_MODES,
     POSITIONS,
     SCHEDULES,
-    TOKENIZER_VOCAB_SIZE,
-    TOKENIZERS,
     Config,
     batch_plan,
-    parameter_count,
     requested_world,
-    tokenizer_vocab_size,
 )
 from trainer.env import launched_world
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
+from trainer.shape import parameter_count
+from trainer.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size
 
 # train.device: what the runtime picks from (a device string torch would not parse is refused here,
 # torch-free; whether a CUDA device is there is checked once torch is loaded, before anything is written).
@@ -104,11 +102,13 @@ RANGES = {
     "train.peak_flops": _positive(),
     "train.max_nonfinite": _at_least(1),
     "train.loss_chunks": _at_least(1),
+    "train.target_val_loss": (lambda v: v > 0, "a positive loss in nats (e.g. 4.5)"),
     "checkpoint.interval": _at_least(0),  # 0 = only at the end
     "checkpoint.keep": _at_least(1),
     "eval.hellaswag.interval": _at_least(0),  # 0 = never during training
     "eval.limit": _at_least(1),
     "eval.hellaswag.batch_examples": _at_least(1),
+    "sweep.seeds": _at_least(1),
     "world": _at_least(1),
 }
 
@@ -146,7 +146,8 @@ NULL_MEANS = {
     "model.mlp_hidden": "4 x n_embd, or Llama's rule for swiglu", "model.n_kv_head": "n_head",
     "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
     "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",
-    "eval.limit": "every example", "world": "1, or torchrun's WORLD_SIZE",
+    "eval.limit": "every example", "train.target_val_loss": "no target", "sweep.seeds": "no seed axis",
+    "world": "1, or torchrun's WORLD_SIZE",
 }
 
 

@@ -22,8 +22,9 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.hf_llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_step, is_complete, resolve_checkpoint
-from trainer.config import CONF_DIR, ModelConfig, mlp_width
+from trainer.config import CONF_DIR, ModelConfig
 from trainer.errors import CheckpointError, ConfigError
+from trainer.shape import mlp_width
 from trainer.writable import not_a_folder
 
 HF_CONFIG = "config.json"

@@ -146,11 +146,12 @@ class Checkpointer:
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
 
         state = run.state
-        state.step = int(saved["step"])
-        state.tokens = int(saved["tokens"])
+        state.step, state.tokens = int(saved["step"]), int(saved["tokens"])
         best, last = saved.get("best_val_loss"), saved.get("last_loss")
         state.best_val_loss = math.inf if best is None else float(best)
         state.last_loss = math.nan if last is None else float(last)
+        state.train_s, state.target = float(saved.get("train_s", 0.0)), saved.get("target")  # trainer/target.py
+        state.excluded_s = dict(saved.get("excluded_s") or {})
         rank = self.rt.rank
         loaders, rngs = saved["loaders"], saved["rng"]
         # The data position is the same on every rank (world-independent); RNG streams start
@@ -241,6 +242,7 @@ class Checkpointer:
                 "tokens": s.tokens,
                 "best_val_loss": _json_float(s.best_val_loss),
                 "last_loss": _json_float(s.last_loss),
+                "train_s": s.train_s, "excluded_s": s.excluded_s, "target": s.target,  # over every session
                 "world": self.rt.world,
                 "parallel": self.cfg.parallel.mode,
                 # what a continuation must keep (trainer/checkpoint/continuation.py)

@@ -8,6 +8,11 @@ them (read from each run's .hydra/overrides.yaml):
     lr.png            learning rate against tokens seen
     tokens_per_s.png  training throughput against tokens seen
     hellaswag.png     HellaSwag acc_norm against tokens seen (only when a run evaluated it)
+    report.json       runs that differ only in train.seed as groups: per group and figure n, mean,
+                      sd, 95% CI; every group against the first (or --baseline) with the
+                      difference, its 95% CI and Welch's t-test p-value (scipy: dtrain[stats])
+
+A group of several seeds is drawn as its mean line and a band of +- one standard deviation.
 
 A run scored with `dtrain eval RUN_DIR --tasks ...` also gets a table of its eval_harness.json
 (lm-evaluation-harness: task, metric, value, stderr).
@@ -18,6 +23,8 @@ matplotlib is an optional extra: pip install 'dtrain[plot]'.
 from __future__ import annotations
 
 import io
+import json
+import statistics
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +39,7 @@ from trainer.results import (
     STATUS_FILE,
     finite_or_none,
     harness_table,
+    identity,
     labels,
     live_status,
     point_dirs,
@@ -41,11 +49,13 @@ from trainer.results import (
     run_figures,
     table_console,
 )
+from trainer.stats import SEED_KEY, seed_statistics, without_seed
 from trainer.writable import check_room, check_writable_dir, not_a_folder, write_errors_as_user_errors
 
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
 DPI = 100
+REPORT_FILE = "report.json"
 
 
 @dataclass
@@ -62,18 +72,21 @@ class RunData:
     label: str = ""
 
 
-def parse_args(argv: list[str]) -> tuple[list[Path], Path | None]:
+def parse_args(argv: list[str]) -> tuple[list[Path], Path | None, str | None]:
     parser = ArgParser(prog="dtrain report", description=__doc__)
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="a run directory, or a sweep directory whose subfolders are runs")
     parser.add_argument("--out", "-o", type=folder_to_write, metavar="DIR",
                         help="where the PNG files go (default: the single PATH)")
+    parser.add_argument("--baseline", metavar="OVERRIDES",
+                        help="compare every group of seeds with this one, named by its overrides "
+                             "(e.g. --baseline optim=adamw); default: the first group")
     args = parser.parse_args(argv)
     if not args.paths:
         parser.error("give at least one run or sweep directory")
     if args.out is None and len(args.paths) > 1:
         raise UserError(f"{len(args.paths)} paths given: choose where the figures go with --out DIR")
-    return args.paths, args.out
+    return args.paths, args.out, args.baseline
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -139,6 +152,10 @@ class Plotter:
 
         self.plt, self.formatter = plt, EngFormatter(sep="")
         self.runs, self.out = runs, out
+        # runs that differ only in train.seed are drawn as one group: its mean and spread
+        self.groups: dict[tuple[str, ...], list[RunData]] = {}
+        for run in runs:
+            self.groups.setdefault(tuple(without_seed(identity(run.overrides))), []).append(run)
         self.rendered: dict[str, bytes] = {}  # file name -> PNG
         self.colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
         self.shared = "common overrides: " + " ".join(shared) if shared else ""
@@ -160,7 +177,7 @@ class Plotter:
         """Render the figure into memory (self.rendered): the files are written together once every
         one is drawn and known to fit."""
         handles, names = axes[0].get_legend_handles_labels()
-        if handles and (len(self.runs) > 1 or len(set(names)) > 1):
+        if handles and (len(self.groups) > 1 or len(set(names)) > 1):
             axes[0].legend(fontsize=8, loc="best")
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=DPI)
@@ -181,13 +198,34 @@ class Plotter:
         ax.plot(x, y, color=color, label=_short(run.label), **kw)
         return True
 
+    def _series(self, ax, i: int, group: list[RunData], rows_of, key: str, smooth: bool = False, **kw) -> bool:
+        """One run's line, or for a group of seeds their mean line in a band of +- one sd (at the
+        tokens every seed logged)."""
+        if len(group) == 1:
+            return self._line(ax, i, group[0], rows_of(group[0]), key, smooth=smooth, **kw)
+        curves = [{r["tokens"]: r[key] for r in rows_of(run) if finite_or_none(r.get(key)) is not None}
+                  for run in group]
+        x = sorted(set.intersection(*(set(c) for c in curves)))
+        if not x:
+            return False
+        mean = [statistics.fmean(c[t] for c in curves) for t in x]
+        sd = [statistics.stdev(c[t] for c in curves) for t in x]
+        if smooth and len(x) >= 50:
+            mean, sd = _smooth(mean, len(x)), _smooth(sd, len(x))
+        color = self.colors[i % len(self.colors)]
+        label = " ".join(o for o in group[0].label.split() if not o.startswith(SEED_KEY + "=")) or "-"
+        ax.fill_between(x, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                        color=color, alpha=0.2, linewidth=0)
+        ax.plot(x, mean, color=color, label=_short(f"{label} (mean +- sd of {len(group)} seeds)"), **kw)
+        return True
+
     def loss(self) -> Path:
         fig, (ax_train, ax_val) = self._figure("train and validation loss", panels=2)
         any_val = False
-        for i, run in enumerate(self.runs):
-            self._line(ax_train, i, run, run.train, "loss", smooth=True, linewidth=1.5)
-            any_val |= self._line(ax_val, i, run, run.val, "val_loss", marker="o", markersize=3,
-                                  linewidth=1.5)
+        for i, group in enumerate(self.groups.values()):
+            self._series(ax_train, i, group, lambda r: r.train, "loss", smooth=True, linewidth=1.5)
+            any_val |= self._series(ax_val, i, group, lambda r: r.val, "val_loss", marker="o", markersize=3,
+                                    linewidth=1.5)
         ax_train.set_title("train loss")
         ax_val.set_title("val loss")
         for ax in (ax_train, ax_val):
@@ -199,14 +237,14 @@ class Plotter:
 
     def simple(self, key: str, title: str, ylabel: str, name: str, rows_of, **kw) -> Path:
         fig, (ax,) = self._figure(title)
-        for i, run in enumerate(self.runs):
-            self._line(ax, i, run, rows_of(run), key, **kw)
+        for i, group in enumerate(self.groups.values()):
+            self._series(ax, i, group, rows_of, key, **kw)
         ax.set_ylabel(ylabel)
         return self._save(fig, name, [ax])
 
 
 def cmd_report(argv: list[str]) -> None:
-    paths, out = parse_args(argv)
+    paths, out, baseline = parse_args(argv)
     try:
         import matplotlib  # noqa: F401  (the optional extra dtrain[plot]: is it installed?)
     except ImportError:
@@ -224,7 +262,12 @@ def cmd_report(argv: list[str]) -> None:
 
     console = table_console()
     title = f"report: {', '.join(str(p) for p in paths)}"
+    # before anything is printed or written: a --baseline that cannot be tested is one line
+    finished = [r.record for r in runs if r.record.get("status") == "ok"]
+    analysis, seeds = seed_statistics(finished, identity, f"{title}: seeds (train.seed) per group", baseline)
     console.print(results_table([r.record for r in runs], title))
+    if seeds is not None:
+        console.print(seeds, highlight=False, soft_wrap=True)
     for r in runs:
         if r.record.get("status") not in ("ok", None) and r.record.get("error"):
             console.print(f"[red]{r.name} {r.record['status']}:[/] {r.record['error']}", highlight=False)
@@ -246,6 +289,9 @@ def cmd_report(argv: list[str]) -> None:
     if any(r.hellaswag for r in plotted):
         files.append(plot.simple("hellaswag_acc_norm", "HellaSwag accuracy (acc_norm)", "acc_norm",
                                  "hellaswag.png", lambda r: r.hellaswag, marker="o", markersize=3))
+    if analysis is not None:  # written with the figures, as one more of the files
+        plot.rendered[REPORT_FILE] = (json.dumps(analysis, indent=2) + "\n").encode()
+        files.append(out / REPORT_FILE)
     check_room(out, [len(png) for png in plot.rendered.values()], "the figures", fix)
     with write_errors_as_user_errors(out, fix):
         out.mkdir(parents=True, exist_ok=True)

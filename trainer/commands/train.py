@@ -30,13 +30,15 @@ from trainer.compose import (
     compose,
     config_source,
     env_flag,
+    expand_seeds,
     hydra_args,
     is_informational,
     register_hydra,
     split_args,
     sweep_points,
 )
-from trainer.config import apply_renamed_keys, requested_world, to_dict
+from trainer.config import requested_world, to_dict
+from trainer.config_keys import apply_renamed_keys
 from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 from trainer.preflight import check_data, check_run, preflight, record_config
 from trainer.rundir import RunDirLock, RunDirState, finished_message
@@ -54,6 +56,8 @@ def cmd_train(args: list[str]) -> None:
     source = config_source(args)
     with plugin_hint():
         overrides, multirun = split_args(args)
+        args = expand_seeds(args, multirun)  # sweep.seeds=N: the axis train.seed=0,...,N-1
+        overrides, _ = split_args(args)
         if is_informational(args):
             if not any(a in ("--help", "-h", "--hydra-help") for a in args):
                 compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import mlp_width
+from trainer.shape import mlp_width
 
 
 @dataclass(frozen=True)
