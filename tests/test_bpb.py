@@ -70,3 +70,5 @@ def test_a_run_logs_val_bpb_beside_val_loss(data_dir, tmp_path):
     summary = read_metrics(run_dir)[-1]["summary"]
     assert summary["final_val_bpb"] == pytest.approx(vals[-1]["val_bpb"])
     assert "final val bpb" in proc.stdout
+    report = run_dtrain(["report", str(run_dir), f"--out={tmp_path / 'figures'}"], check=True)
+    assert "val bpb" in report.stdout and f"{vals[-1]['val_bpb']:.4f}" in report.stdout  # the results table's column

@@ -58,6 +58,7 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
     summary = None if end is None else end["summary"]
     train = [r for r in records if "loss" in r]
     vals = [r["val_loss"] for r in records if finite_or_none(r.get("val_loss")) is not None]
+    bpbs = [r["val_bpb"] for r in records if finite_or_none(r.get("val_bpb")) is not None]
     hellaswag = [r["hellaswag_acc_norm"] for r in records if finite_or_none(r.get("hellaswag_acc_norm")) is not None]
     figures: dict[str, Any] = {
         "steps": max((r.get("step", 0) for r in records), default=0),
@@ -65,6 +66,7 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
         "final_loss": finite_or_none(train[-1]["loss"]) if train else None,
         "best_val_loss": min(vals) if vals else None,
         "final_val_loss": vals[-1] if vals else None,
+        "final_val_bpb": bpbs[-1] if bpbs else None,
         "hellaswag_acc_norm": hellaswag[-1] if hellaswag else evaluated_hellaswag(run_dir),
         "tokens_per_s": None,
         "train_tokens_per_s": None,
@@ -173,13 +175,15 @@ STATUS_STYLE = {"ok": "green", "failed": "bold red", "killed": "bold red", "skip
 
 
 def results_table(records: list[dict[str, Any]], title: str) -> Table:
-    """One row per run/point: overrides, status, final train loss, best val loss, HellaSwag, tok/s, wall."""
+    """One row per run/point: overrides, status, final train loss, best val loss, last val bits per
+    byte, HellaSwag, tok/s, wall."""
     names = [Path(r.get("run_dir", "?")).name for r in records]
     row_labels, shared = labels([r.get("overrides") or [] for r in records], names)
     caption = f"overrides of every row: {' '.join(shared)}" if shared else None
     table = Table(title=title, caption=caption, caption_justify="left")
     columns = (("#", "right"), ("overrides", "left"), ("status", "left"), ("train loss", "right"),
-               ("best val", "right"), ("HellaSwag", "right"), ("tok/s", "right"), ("wall", "right"))
+               ("best val", "right"), ("val bpb", "right"), ("HellaSwag", "right"), ("tok/s", "right"),
+               ("wall", "right"))
     with_target = any(r.get("target_reached") is not None for r in records)
     if with_target:  # train.target_val_loss: training seconds and tokens to it
         columns += (("to target", "right"),)
@@ -195,6 +199,7 @@ def results_table(records: list[dict[str, Any]], title: str) -> Table:
             f"[{style}]{status}[/]" if style else status,
             _fmt(record.get("final_loss"), ".4f"),
             _fmt(record.get("best_val_loss"), ".4f"),
+            _fmt(record.get("final_val_bpb"), ".4f"),
             _fmt(record.get("hellaswag_acc_norm"), ".4f"),
             _fmt(record.get("tokens_per_s"), ",.0f"),
             "-" if record.get("wall_s") is None else f"{record['wall_s']:.1f} s",

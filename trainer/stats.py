@@ -22,6 +22,7 @@ SEED_KEY = "train.seed"
 FIGURES = {
     "final_val_loss": ("final val loss", ".4f"),
     "best_val_loss": ("best val loss", ".4f"),
+    "final_val_bpb": ("final val bpb", ".4f"),  # bits per byte: comparable across tokenizers
     "train_tokens_per_s": ("train tokens/s", ",.0f"),
     "target_train_s": ("train s to target", ".2f"),
     "target_tokens": ("tokens to target", ",.0f"),
