@@ -61,6 +61,7 @@ import re
 
 import torch
 from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from trainer.config import parameter_count
 from trainer.errors import UserError
@@ -235,9 +236,20 @@ def _shapes(model_cfg, optim_name: str) -> _Shapes:
     return _shapes_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)), optim_name)
 
 
+class _ValuesSkipped(TorchFunctionMode):
+    """torch.nn.init's fills skipped while a model is built for its shapes: a meta tensor holds no
+    values, and meta normal_ (nn.Embedding's own init) is a Python reference whose first call
+    imports torch._dynamo, about a second of every run's start (tests/test_startup.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 @functools.lru_cache(maxsize=8)
 def _shapes_of(fields: tuple, optim_name: str) -> _Shapes:
-    with torch.device("meta"):
+    with torch.device("meta"), _ValuesSkipped():
         model = GPT(GPTConfig(*fields))
     muon, adamw = split_params(model, OmegaConf.create({"name": optim_name}))
     groups = param_groups((p for _, p in adamw), 0.0)

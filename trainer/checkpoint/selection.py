@@ -16,11 +16,19 @@ from pathlib import Path
 from trainer.checkpoint.integrity import CorruptCheckpoint, alternative_hint, checkpoints_root
 from trainer.checkpoint.layout import corrupt_dir, marked_checkpoints
 from trainer.checkpoint.records import none_intact
-from trainer.checkpoint.verify import validate_checkpoint
 from trainer.errors import CheckpointError
 from trainer.io import fsync_dir
 
 Checked = tuple[Path, tuple]  # (checkpoint, what validate_checkpoint returned)
+
+
+def validate_checkpoint(ckpt: Path, model_cfg=None) -> tuple:
+    """trainer.checkpoint.verify's check of one checkpoint. That module reads DCP's index, so it is
+    imported once there is a checkpoint to check: torch.distributed.checkpoint (DTensor and sympy
+    under it, about 0.7 s) is no part of a fresh run's start."""
+    from trainer.checkpoint import verify  # deferred: heavy (see above)
+
+    return verify.validate_checkpoint(ckpt, model_cfg)
 
 
 def set_aside(err: CorruptCheckpoint) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
 from trainer.checkpoint.integrity import CorruptCheckpoint
@@ -21,16 +20,8 @@ from trainer.checkpoint.layout import (
     resolve_checkpoint,
     step_dir_name,
 )
+from trainer.checkpoint.records import read_checkpoint_config
 from trainer.checkpoint.selection import newest_intact
-from trainer.checkpoint.verify import (
-    DCP_ERRORS,
-    SafeReader,
-    check_files,
-    check_template,
-    read_checkpoint_config,
-    read_metadata,
-    verify_files,
-)
 from trainer.config import from_dict
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
@@ -41,6 +32,19 @@ from trainer.parallel.base import tied_aliases
 def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process, once every
     file matches its recorded checksum (a corrupt checkpoint is refused, naming an intact one)."""
+    # torch.distributed.checkpoint (DTensor and sympy under it, about 0.7 s) only once weights are
+    # read: `dtrain eval`'s checks, and their errors, come without it.
+    import torch.distributed.checkpoint as dcp  # deferred: heavy (see above)
+
+    from trainer.checkpoint.verify import (  # deferred: imports torch.distributed.checkpoint
+        DCP_ERRORS,
+        SafeReader,
+        check_files,
+        check_template,
+        read_metadata,
+        verify_files,
+    )
+
     ckpt_dir = Path(ckpt_dir)
     try:
         verify_files(ckpt_dir)
