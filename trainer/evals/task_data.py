@@ -77,6 +77,7 @@ def task_files_path(folder: Path, stem: str) -> Path:
 def keep_task_files(path: Path, task_files: dict[str, str]) -> None:
     """Write {task name: its YAML file} beside the index (a cache that cannot be written costs only time)."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(task_files, sort_keys=True))
     except OSError:
         pass
