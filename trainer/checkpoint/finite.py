@@ -51,6 +51,13 @@ def state_bytes(state) -> int:
     return total
 
 
+def module_state_bytes(module: torch.nn.Module) -> int:
+    """state_bytes of the module's state dict as a checkpoint holds it (a tied alias is the same
+    tensor, counted once), read from the module itself rather than through DCP's state-dict helpers."""
+    own = {str(id(t)): t for t in module.state_dict(keep_vars=True).values()}
+    return state_bytes(own)
+
+
 def describe_nonfinite(names: list[str]) -> str:
     """A few of the tensor names, for an error line."""
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

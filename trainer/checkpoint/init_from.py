@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.deferred import dcp, verify
 from trainer.checkpoint.hf import (
     EMBEDDING,
     HEAD,
@@ -117,19 +118,16 @@ def _load_dcp(template: dict[str, torch.Tensor], ckpt: Path, metadata, vocab_siz
     """DCP reads each rank's chunks. Only where the vocabulary is padded differently (another
     model.pad_vocab_multiple) are the source's embedding (and untied head) read whole, once, to
     re-pad them."""
-    import torch.distributed.checkpoint as dcp  # deferred: heavy, needed only once init_from is set
-
-    from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template  # deferred: imports DCP
-
+    checks = verify()
     source_rows = metadata.state_dict_metadata[f"model.{EMBEDDING}"].size[0]
     wanted = dict(template)
     repad = [n for n in (EMBEDDING, HEAD) if n in template and template[n].shape[0] != source_rows]
     for name in repad:
         wanted[name] = torch.empty((source_rows, template[name].shape[1]), dtype=template[name].dtype)
-    check_template(ckpt, metadata, dotted_keys({"model": wanted}))
+    checks.check_template(ckpt, metadata, dotted_keys({"model": wanted}))
     try:
-        dcp.load({"model": wanted}, storage_reader=SafeReader(ckpt))
-    except DCP_ERRORS as err:
+        dcp().load({"model": wanted}, storage_reader=checks.SafeReader(ckpt))
+    except checks.DCP_ERRORS as err:
         raise CheckpointError(f"model.init_from: checkpoint {ckpt} could not be read: {first_line(err)}") from None
     for name in repad:
         full = wanted[name]

@@ -14,11 +14,11 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors, state_bytes
+from trainer.checkpoint.deferred import dcp, verify
+from trainer.checkpoint.finite import describe_nonfinite, module_state_bytes, nonfinite_tensors, state_bytes
 from trainer.checkpoint.integrity import checksum_files, marker_record, rank_files
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
@@ -44,20 +44,6 @@ from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 from trainer.joblog import say
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
-
-
-def _dcp():
-    """(torch.distributed.checkpoint, trainer.checkpoint.verify), imported at the first save or
-    restore rather than with this module: DCP pulls in DTensor and sympy (about 0.7 s), which a
-    one-process run needs for nothing else (tests/test_startup.py)."""
-    import torch.distributed.checkpoint as dcp  # deferred: heavy (see above)
-
-    from trainer.checkpoint import verify  # deferred: imports torch.distributed.checkpoint
-
-    return dcp, verify
 
 
 def _json_float(value: float) -> float | None:
@@ -103,7 +89,7 @@ class Checkpointer:
             say(message)
 
     # --- restore ---
-    def _choose(self) -> tuple[str, Metadata, dict] | None:
+    def _choose(self) -> tuple[str, object, dict] | None:
         """Rank 0: clean up interrupted saves, then pick and check the checkpoint to resume; returns
         (its path, its DCP index, its trainer state) for every rank, or None to start afresh."""
         try:
@@ -149,12 +135,11 @@ class Checkpointer:
             "model": strategy.model_state_dict(model),
             "optim": strategy.optimizer_state_template(model, optimizer),
         }
-        dcp, verify = _dcp()
-        verify.check_template(ckpt, metadata, dotted_keys(template))
+        verify().check_template(ckpt, metadata, dotted_keys(template))
         try:
-            dcp.load(template, storage_reader=verify.SafeReader(ckpt))
-        except verify.DCP_ERRORS as err:
-            cause = first_line(verify.root_cause(err))
+            dcp().load(template, storage_reader=verify().SafeReader(ckpt))
+        except verify().DCP_ERRORS as err:
+            cause = first_line(verify().root_cause(err))
             raise CheckpointError(f"checkpoint {ckpt} could not be read: {cause}") from None
         strategy.load_model_state_dict(model, template["model"])
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
@@ -182,10 +167,8 @@ class Checkpointer:
         if self.resumed_from is not None:
             self._check_room(self.last_bytes, f"at the start (nothing trained since {self.resumed_from.name})")
             return
-        # model_state_dict's figure from the module's own tensors (a tied alias is the same tensor,
-        # counted once), so a fresh run imports torch.distributed.checkpoint only at its first save.
-        own = run.strategy.unwrap(run.model).state_dict(keep_vars=True).values()
-        weights = state_bytes({str(id(t)): t for t in own})
+        # model_state_dict's figure without DCP, which a fresh run imports only at its first save
+        weights = module_state_bytes(run.strategy.unwrap(run.model))
         self._check_room(sum(self.rt.all_gather_object(weights)), "at the start (nothing trained yet)")
 
     # --- save ---
@@ -270,18 +253,17 @@ class Checkpointer:
                 "loaders": [g["loader"] for g in gathered],
                 "rng": [g["rng"] for g in gathered],
             }
-        dcp, verify = _dcp()
         if self.async_save:
             try:
-                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
-            except verify.DCP_ERRORS as err:
+                future = dcp().async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
+            except verify().DCP_ERRORS as err:
                 raise self._failed(tmp, err) from None
             self.pending = (self.hasher.submit(self._checksums_after, future, tmp), tmp, final, step, record)
             self.last_saved = final
             return final
         try:
-            dcp.save(tensors, checkpoint_id=tmp)
-        except verify.DCP_ERRORS as err:  # DCP raises the same error on every rank
+            dcp().save(tensors, checkpoint_id=tmp)
+        except verify().DCP_ERRORS as err:  # DCP raises the same error on every rank
             raise self._failed(tmp, err) from None
         written: Future = Future()
         written.set_result(None)
@@ -326,7 +308,7 @@ class Checkpointer:
         return CheckpointError(message)
 
     def _save_problem(self, tmp: Path, err: BaseException) -> str:
-        cause = _dcp()[1].root_cause(err)
+        cause = verify().root_cause(err)
         previous = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         name = tmp.name.removeprefix(TMP_PREFIX)
@@ -389,7 +371,7 @@ class Checkpointer:
         self.pending = None
         try:
             parts = hashed.result()
-        except _dcp()[1].DCP_ERRORS as err:
+        except verify().DCP_ERRORS as err:
             raise self._failed(tmp, err) from None
         problem = None
         if self.rt.is_main:

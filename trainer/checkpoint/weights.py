@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.deferred import dcp, verify
 from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
 from trainer.checkpoint.integrity import CorruptCheckpoint
 from trainer.checkpoint.layout import (
@@ -32,24 +33,12 @@ from trainer.parallel.base import tied_aliases
 def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process, once every
     file matches its recorded checksum (a corrupt checkpoint is refused, naming an intact one)."""
-    # torch.distributed.checkpoint (DTensor and sympy under it, about 0.7 s) only once weights are
-    # read: `dtrain eval`'s checks, and their errors, come without it.
-    import torch.distributed.checkpoint as dcp  # deferred: heavy (see above)
-
-    from trainer.checkpoint.verify import (  # deferred: imports torch.distributed.checkpoint
-        DCP_ERRORS,
-        SafeReader,
-        check_files,
-        check_template,
-        read_metadata,
-        verify_files,
-    )
-
     ckpt_dir = Path(ckpt_dir)
+    checks = verify()  # DCP only now: `dtrain eval`'s checks, and their errors, come without it
     try:
-        verify_files(ckpt_dir)
-        metadata = read_metadata(ckpt_dir)
-        check_files(ckpt_dir, metadata)
+        checks.verify_files(ckpt_dir)
+        metadata = checks.read_metadata(ckpt_dir)
+        checks.check_files(ckpt_dir, metadata)
     except CorruptCheckpoint as err:
         root = ckpt_dir.parent if checkpoint_step(ckpt_dir) is not None else ckpt_dir / CHECKPOINT_DIR
         intact = newest_intact(root, exclude=ckpt_dir)
@@ -57,12 +46,12 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
         raise CheckpointError(f"{err}; {hint}") from None
     aliases = tied_aliases(model)
     template = {k: v for k, v in model.state_dict().items() if k not in aliases}
-    check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
+    checks.check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
     try:
-        dcp.load({"model": template}, storage_reader=SafeReader(ckpt_dir), no_dist=True)
+        dcp().load({"model": template}, storage_reader=checks.SafeReader(ckpt_dir), no_dist=True)
     except CheckpointError:
         raise
-    except DCP_ERRORS as err:
+    except checks.DCP_ERRORS as err:
         raise CheckpointError(f"checkpoint {ckpt_dir} could not be read: {first_line(err)}") from None
     model.load_state_dict({**template, **{a: template[n] for a, n in aliases.items()}})
     _check_finite(model, ckpt_dir)

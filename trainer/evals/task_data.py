@@ -105,7 +105,11 @@ class _Loader(yaml.SafeLoader):
     """The harness's YAML tags (`!function module.name`) read as None: only plain keys matter here."""
 
 
-_Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+def _tag_as_none(*_) -> None:
+    return None
+
+
+_Loader.add_multi_constructor("!", _tag_as_none)
 
 
 def _dataset(path: Path, depth: int = 0) -> str | None:
