@@ -79,8 +79,8 @@ def _verified_source(spec: str) -> tuple[InitSource, object]:
 def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
     """(what this rank holds, its offsets and sizes in the full tensor): a shard of a DTensor (the
     chunk DCP itself would read for it), or the whole of a plain tensor."""
-    # Imported here, as DCP below, because this module loads with every run's loop and DTensor
-    # (torch.distributed.tensor: about half a second) is needed only once init_from is set.
+    # Imported here, like DCP (deferred.py): this module loads with every run's loop, and DTensor
+    # (torch.distributed.tensor, about half a second) is needed only once init_from is set.
     from torch.distributed.tensor import DTensor  # deferred: heavy (see above)
 
     if isinstance(tensor, DTensor):
