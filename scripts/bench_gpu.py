@@ -57,8 +57,9 @@ from rich.table import Table  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import PARALLEL_MODES  # noqa: E402
 from trainer.data.shards import open_split  # noqa: E402
+from trainer.flops import device_peak_flops  # noqa: E402
 from trainer.loop import Run  # noqa: E402
-from trainer.memory import device_peak_flops, estimate  # noqa: E402
+from trainer.memory import estimate  # noqa: E402
 from trainer.runtime import Runtime, init_runtime  # noqa: E402
 
 GiB = 1024**3

@@ -14,7 +14,8 @@ pytest.importorskip("lm_eval")
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from trainer.evals import task_index  # noqa: E402
-from trainer.evals.task_index import TaskIndex, built_in_index, fingerprint  # noqa: E402
+from trainer.evals.task_data import fingerprint  # noqa: E402
+from trainer.evals.task_index import TaskIndex, built_in_index  # noqa: E402
 
 pytestmark = pytest.mark.skipif(TaskIndex is None, reason="this lm-eval has no TaskIndex (before 0.4.10): no cache")
 

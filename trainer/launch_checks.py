@@ -20,8 +20,8 @@ import torch
 from rich.console import Console
 
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
+from trainer.checkpoint.records import check_model_config, read_checkpoint_config
 from trainer.checkpoint.space import check_space_for_first_checkpoint
-from trainer.checkpoint.verify import check_model_config, read_checkpoint_config
 from trainer.config import tracker_names
 from trainer.errors import UserError
 from trainer.io import one_line

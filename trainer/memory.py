@@ -1,4 +1,4 @@
-"""Per-rank memory estimates for each parallel mode (`dtrain plan`), and device peak FLOP/s (MFU).
+"""Per-rank memory estimates for each parallel mode (`dtrain plan`).
 
 What one rank holds, in bytes:
 
@@ -14,9 +14,8 @@ What one rank holds, in bytes:
 * transients at the peak: FSDP's gathered (unsharded) parameters and gradients of the units in
   flight, DDP's gradient buckets, the optimizer step's temporaries.
 
-On a CPU the activation coefficients were fitted to measured peaks (scripts/bench.py, fp32,
-torch 2.13: resident-set growth of a worker); tests/test_plan.py keeps the estimate within 15%
-of a measured peak.
+On a CPU the activation coefficients were fitted to measured peaks (scripts/bench.py, fp32, torch
+2.13: a worker's resident-set growth); tests/test_plan.py keeps the estimate within 15% of one.
 
 On CUDA (`train.device=cuda`, or `dtrain plan --device cuda` from any host) the estimate is of
 `torch.cuda.max_memory_allocated` (what tensors hold; the CUDA context and the caching
@@ -35,21 +34,16 @@ a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the bloc
   block: 24 C.
 * the loss over B x T x V: eager keeps log-softmax's fp32 output, and its backward holds its
   incoming and outgoing fp32 gradients beside it (12 bytes per logit); compiled keeps the bf16
-  logits and the backward holds an fp32 and a bf16 gradient (8 bytes per logit; this is the
-  figure calibrated against the one measurement: gpt2_124m at 32 x 1024 compiled,
-  pad_vocab_multiple=64, torch 2.11, H100: 21.2 GiB, estimated 20.7). With train.loss_chunks=k
-  one piece's logits at a time (16 bytes per logit of B x T / k positions on CUDA, 12 on a CPU)
-  plus the input's gradient (4 C per token) and the head weight's (fp32) kept from the forward.
-* bf16 copies of the weights (autocast casts each weight once per forward and the matmuls keep
-  the copies for the backward), fused AdamW (no per-tensor temporaries).
+  logits and the backward holds an fp32 and a bf16 gradient (8 bytes per logit). With
+  train.loss_chunks=k one piece's logits at a time (16 bytes per logit of B x T / k positions on
+  CUDA, 12 on a CPU) plus the input's gradient (4 C per token) and the head weight's (fp32).
+* bf16 copies of the weights (autocast keeps them for the backward), fused AdamW (no temporaries).
 * train.activation_checkpointing: each block keeps its fp32 input; one block's activations are
   rebuilt at a time in the backward.
 
-Measured by `make bench-gpu` (scripts/bench_gpu.py, H100, torch 2.11, 2026-11-26), plan over
-max_memory_allocated: eager gpt2_124m 1.008x (B=16) and 1.012x (B=32), llama_135m 1.019x and
-1.021x; compiled gpt2_124m 0.978x and 0.977x, llama_135m 0.981x and 0.980x (0.893x and 0.887x
-before the SwiGLU product's term); gpt2_124m B=32 compiled with train.loss_chunks=4 0.975x (0.873x
-before the CUDA piece's own bytes per logit).
+Every case `make bench-gpu` measured (H100, torch 2.11, 2026-11-26: both models, micro batch 16 and
+32, eager, compiled, loss pieces) is within 2.5% of max_memory_allocated (docs/performance.md;
+tests/test_plan_cuda.py keeps them within 5%).
 """
 
 from __future__ import annotations
@@ -61,6 +55,7 @@ import re
 
 import torch
 from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
@@ -68,37 +63,6 @@ from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
 from trainer.shape import parameter_count
-
-# Dense bf16 peak FLOP/s per GPU (no sparsity), matched against torch.cuda.get_device_name().
-# Most specific names first.
-PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A10G", 70e12),
-    ("L4", 121e12),
-    ("L40S", 362e12),
-    ("V100", 125e12),  # fp16 tensor cores (no bf16)
-)
-
-
-def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak FLOP/s of one device: `override` (train.peak_flops) when given, else the table for
-    known GPUs, else None (then no MFU is reported)."""
-    if override:
-        return float(override)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS:
-        if key in name:
-            return flops
-    return None
-
 
 # ------------------------------------------------------------------------------------ sizes
 
@@ -235,9 +199,20 @@ def _shapes(model_cfg, optim_name: str) -> _Shapes:
     return _shapes_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)), optim_name)
 
 
+class _ValuesSkipped(TorchFunctionMode):
+    """torch.nn.init's fills skipped while a model is built for its shapes: a meta tensor holds no
+    values, and meta normal_ (nn.Embedding's own init) is a Python reference whose first call
+    imports torch._dynamo, about a second of every run's start (tests/test_startup.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 @functools.lru_cache(maxsize=8)
 def _shapes_of(fields: tuple, optim_name: str) -> _Shapes:
-    with torch.device("meta"):
+    with torch.device("meta"), _ValuesSkipped():
         model = GPT(GPTConfig(*fields))
     muon, adamw = split_params(model, OmegaConf.create({"name": optim_name}))
     groups = param_groups((p for _, p in adamw), 0.0)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from trainer.memory import device_peak_flops
+from trainer.flops import device_peak_flops
 from trainer.metrics import MetricsLogger, ProgressView
 
 

@@ -22,7 +22,7 @@ SOURCE_TOKENIZER_RESOLVER = "dtrain_source_tokenizer"  # conf/tokenizer/auto.yam
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_vocab_size(file: str, mtime_ns: int) -> int:
+def _hf_vocab_size(file: str, _mtime_ns: int) -> int:  # the mtime keys the cache: an edit is read again
     spec = json.loads(Path(file).read_text(encoding="utf-8"))
     ids = list(spec.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in spec.get("added_tokens", [])]
     return max(ids) + 1

@@ -30,10 +30,15 @@ torch-free for the run-directory checks that run before torch is imported):
 
     layout    names of the files and folders above; finding complete checkpoints (standard library)
     integrity every file's checksum in the marker, and verifying them (standard library)
-    records   its JSON records read and checked without torch; the checkpoint resume=auto will load
+    records   its JSON records read and checked without torch (and the model fields a resume must
+              match); the checkpoint resume=auto will load
     verify    reading a checkpoint safely and checking it before anything is loaded
     selection which checkpoint a resume loads: newest intact first, corrupt ones set aside
     rng       every rank's RNG states as JSON
     manager   the Checkpointer: save, restore, retention and async saves during training
     weights   a checkpoint's (or a state_dict file's) weights in a plain model: eval, sample, export
+
+torch.distributed.checkpoint itself (with DTensor and sympy under it, about 0.7 s) is imported at
+the first save or restore, where it is used (manager, selection, weights, init_from): a run that
+starts fresh trains its first step without it (tests/test_startup.py).
 """

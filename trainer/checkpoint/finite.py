@@ -4,8 +4,9 @@ how many bytes they take (what a save is about to write)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def _tensors(state, prefix: str = ""):
@@ -16,12 +17,20 @@ def _tensors(state, prefix: str = ""):
         yield prefix.rstrip("."), state
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's shard, any other tensor itself. DTensor is looked up
+    only where its module is loaded (a tensor cannot be one otherwise), so a one-process run never
+    imports torch.distributed.tensor (about half a second) for this check."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
+
+
 def nonfinite_tensors(state) -> list[str]:
     """Dotted names of the floating-point tensors in a (nested) state dict that hold a NaN or an
     inf; a sharded DTensor counts this rank's shard. One host sync for the whole state."""
     by_device: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
     for name, tensor in _tensors(state):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = _local(tensor)
         if local.is_floating_point() and local.numel():
             names, flags = by_device.setdefault(local.device, ([], []))
             names.append(name)
@@ -37,9 +46,16 @@ def state_bytes(state) -> int:
     this rank writes into a checkpoint, for the free-space check before a save."""
     total = 0
     for _, tensor in _tensors(state):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = _local(tensor)
         total += local.numel() * local.element_size()
     return total
+
+
+def module_state_bytes(module: torch.nn.Module) -> int:
+    """state_bytes of the module's state dict as a checkpoint holds it (a tied alias is the same
+    tensor, counted once), read from the module itself rather than through DCP's state-dict helpers."""
+    own = {str(id(t)): t for t in module.state_dict(keep_vars=True).values()}
+    return state_bytes(own)
 
 
 def describe_nonfinite(names: list[str]) -> str:

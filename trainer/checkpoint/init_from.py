@@ -15,9 +15,8 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint.deferred import dcp, verify
 from trainer.checkpoint.hf import (
     EMBEDDING,
     HEAD,
@@ -32,7 +31,6 @@ from trainer.checkpoint.hf_llama import file_key, llama_parts
 from trainer.checkpoint.init_source import InitSource, find_init_source, hf_weight_files
 from trainer.checkpoint.layout import CHECKPOINT_DIR
 from trainer.checkpoint.selection import check_explicit, newest_intact
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
 from trainer.joblog import say
@@ -81,6 +79,10 @@ def _verified_source(spec: str) -> tuple[InitSource, object]:
 def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple]:
     """(what this rank holds, its offsets and sizes in the full tensor): a shard of a DTensor (the
     chunk DCP itself would read for it), or the whole of a plain tensor."""
+    # Imported here, like DCP (deferred.py): this module loads with every run's loop, and DTensor
+    # (torch.distributed.tensor, about half a second) is needed only once init_from is set.
+    from torch.distributed.tensor import DTensor  # deferred: heavy (see above)
+
     if isinstance(tensor, DTensor):
         chunk = tensor.__create_chunk_list__()[0]
         return tensor.to_local(), tuple(chunk.offsets), tuple(chunk.sizes)
@@ -116,15 +118,16 @@ def _load_dcp(template: dict[str, torch.Tensor], ckpt: Path, metadata, vocab_siz
     """DCP reads each rank's chunks. Only where the vocabulary is padded differently (another
     model.pad_vocab_multiple) are the source's embedding (and untied head) read whole, once, to
     re-pad them."""
+    checks = verify()
     source_rows = metadata.state_dict_metadata[f"model.{EMBEDDING}"].size[0]
     wanted = dict(template)
     repad = [n for n in (EMBEDDING, HEAD) if n in template and template[n].shape[0] != source_rows]
     for name in repad:
         wanted[name] = torch.empty((source_rows, template[name].shape[1]), dtype=template[name].dtype)
-    check_template(ckpt, metadata, dotted_keys({"model": wanted}))
+    checks.check_template(ckpt, metadata, dotted_keys({"model": wanted}))
     try:
-        dcp.load({"model": wanted}, storage_reader=SafeReader(ckpt))
-    except DCP_ERRORS as err:
+        dcp().load({"model": wanted}, storage_reader=checks.SafeReader(ckpt))
+    except checks.DCP_ERRORS as err:
         raise CheckpointError(f"model.init_from: checkpoint {ckpt} could not be read: {first_line(err)}") from None
     for name in repad:
         full = wanted[name]

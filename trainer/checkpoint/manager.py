@@ -16,10 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
 
-from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors, state_bytes
+from trainer.checkpoint.deferred import dcp, verify
+from trainer.checkpoint.finite import describe_nonfinite, module_state_bytes, nonfinite_tensors, state_bytes
 from trainer.checkpoint.integrity import checksum_files, marker_record, rank_files
 from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
@@ -39,7 +38,6 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
-from trainer.checkpoint.verify import DCP_ERRORS, SafeReader, check_template, root_cause
 from trainer.config import to_dict
 from trainer.data.identity import recorded_identity
 from trainer.env import restart_count
@@ -91,7 +89,7 @@ class Checkpointer:
             say(message)
 
     # --- restore ---
-    def _choose(self) -> tuple[str, Metadata, dict] | None:
+    def _choose(self) -> tuple[str, object, dict] | None:
         """Rank 0: clean up interrupted saves, then pick and check the checkpoint to resume; returns
         (its path, its DCP index, its trainer state) for every rank, or None to start afresh."""
         try:
@@ -137,11 +135,12 @@ class Checkpointer:
             "model": strategy.model_state_dict(model),
             "optim": strategy.optimizer_state_template(model, optimizer),
         }
-        check_template(ckpt, metadata, dotted_keys(template))
+        verify().check_template(ckpt, metadata, dotted_keys(template))
         try:
-            dcp.load(template, storage_reader=SafeReader(ckpt))
-        except DCP_ERRORS as err:
-            raise CheckpointError(f"checkpoint {ckpt} could not be read: {first_line(root_cause(err))}") from None
+            dcp().load(template, storage_reader=verify().SafeReader(ckpt))
+        except verify().DCP_ERRORS as err:
+            cause = first_line(verify().root_cause(err))
+            raise CheckpointError(f"checkpoint {ckpt} could not be read: {cause}") from None
         strategy.load_model_state_dict(model, template["model"])
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
 
@@ -169,7 +168,8 @@ class Checkpointer:
         if self.resumed_from is not None:
             self._check_room(self.last_bytes, f"at the start (nothing trained since {self.resumed_from.name})")
             return
-        weights = state_bytes(run.strategy.model_state_dict(run.model))
+        # model_state_dict's figure without DCP, which a fresh run imports only at its first save
+        weights = module_state_bytes(run.strategy.unwrap(run.model))
         self._check_room(sum(self.rt.all_gather_object(weights)), "at the start (nothing trained yet)")
 
     # --- save ---
@@ -257,15 +257,15 @@ class Checkpointer:
             }
         if self.async_save:
             try:
-                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
-            except DCP_ERRORS as err:
+                future = dcp().async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
+            except verify().DCP_ERRORS as err:
                 raise self._failed(tmp, err) from None
             self.pending = (self.hasher.submit(self._checksums_after, future, tmp), tmp, final, step, record)
             self.last_saved = final
             return final
         try:
-            dcp.save(tensors, checkpoint_id=tmp)
-        except DCP_ERRORS as err:  # DCP raises the same error on every rank
+            dcp().save(tensors, checkpoint_id=tmp)
+        except verify().DCP_ERRORS as err:  # DCP raises the same error on every rank
             raise self._failed(tmp, err) from None
         written: Future = Future()
         written.set_result(None)
@@ -310,7 +310,7 @@ class Checkpointer:
         return CheckpointError(message)
 
     def _save_problem(self, tmp: Path, err: BaseException) -> str:
-        cause = root_cause(err)
+        cause = verify().root_cause(err)
         previous = latest_checkpoint(self.root.parent) if self.root.name == CHECKPOINT_DIR else None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         name = tmp.name.removeprefix(TMP_PREFIX)
@@ -373,7 +373,7 @@ class Checkpointer:
         self.pending = None
         try:
             parts = hashed.result()
-        except DCP_ERRORS as err:
+        except verify().DCP_ERRORS as err:
             raise self._failed(tmp, err) from None
         problem = None
         if self.rt.is_main:

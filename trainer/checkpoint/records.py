@@ -16,8 +16,15 @@ from pathlib import Path
 
 from trainer.checkpoint.integrity import CorruptCheckpoint, verify_checkpoint_files
 from trainer.checkpoint.layout import CONFIG_FILE, FORMAT_VERSION, MARKER, METADATA_FILE, STATE_FILE, marked_checkpoints
+from trainer.config import ModelConfig
 from trainer.errors import CheckpointError
 from trainer.io import first_line
+
+# Model fields that must agree between a checkpoint and the run that loads it, with the value a
+# checkpoint written before the field existed was trained with (GPT-2's block).
+MODEL_FIELDS = {k: getattr(ModelConfig, k) for k in (
+    "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias", "norm", "norm_eps",
+    "pos", "rope_theta", "mlp", "mlp_hidden", "mlp_multiple_of", "n_kv_head", "qk_norm", "tie_embeddings")}
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -99,3 +106,15 @@ def none_intact(first: CorruptCheckpoint, root: Path) -> str:
     return (f"{first}, and no intact checkpoint is left under {root} to fall back to; "
             "start afresh in another hydra.run.dir= or resume=PATH from a good checkpoint")
 
+
+def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
+    saved = saved_cfg.get("model", {})
+    diffs = [
+        f"{k}={saved.get(k, old)!r} vs {model_cfg[k]!r}" for k, old in MODEL_FIELDS.items()
+        if saved.get(k, old) != model_cfg[k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written for another model (model={saved.get('name')!r}: "
+            f"{', '.join(diffs)} in this run); resume with the same model settings or use a new run dir"
+        )

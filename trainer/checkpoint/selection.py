@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from trainer.checkpoint.deferred import verify
 from trainer.checkpoint.integrity import CorruptCheckpoint, alternative_hint, checkpoints_root
 from trainer.checkpoint.layout import corrupt_dir, marked_checkpoints
 from trainer.checkpoint.records import none_intact
-from trainer.checkpoint.verify import validate_checkpoint
 from trainer.errors import CheckpointError
 from trainer.io import fsync_dir
 
@@ -37,7 +37,7 @@ def newest_intact(root: Path, model_cfg=None, exclude: Path | None = None) -> Pa
         if exclude is not None and ckpt.resolve() == Path(exclude).resolve():
             continue
         try:
-            validate_checkpoint(ckpt, model_cfg)
+            verify().validate_checkpoint(ckpt, model_cfg)
         except CheckpointError:
             continue
         return ckpt
@@ -50,7 +50,7 @@ def choose_own(root: Path, model_cfg, say: Callable[[str], None]) -> Checked | N
     corrupt: list[CorruptCheckpoint] = []
     for ckpt in marked_checkpoints(root):
         try:
-            checked = validate_checkpoint(ckpt, model_cfg)
+            checked = verify().validate_checkpoint(ckpt, model_cfg)
         except CorruptCheckpoint as err:
             corrupt.append(err)
             continue
@@ -67,7 +67,7 @@ def check_explicit(ckpt: Path, model_cfg) -> Checked:
     """resume=PATH: the checkpoint verified; a corrupt one is one error naming the newest intact
     checkpoint beside it (nothing is moved: the user chose this path)."""
     try:
-        return ckpt, validate_checkpoint(ckpt, model_cfg)
+        return ckpt, verify().validate_checkpoint(ckpt, model_cfg)
     except CorruptCheckpoint as err:
         alternative = newest_intact(checkpoints_root(ckpt), model_cfg, exclude=ckpt)
         raise CheckpointError(f"{err}; {alternative_hint(ckpt, alternative)}") from None

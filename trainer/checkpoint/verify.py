@@ -19,8 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from trainer.checkpoint.integrity import CorruptCheckpoint, verify_checkpoint_files
 from trainer.checkpoint.layout import MARKER, METADATA_FILE
-from trainer.checkpoint.records import check_format, read_checkpoint_config, read_trainer_state
-from trainer.config import ModelConfig
+from trainer.checkpoint.records import check_format, check_model_config, read_checkpoint_config, read_trainer_state
 from trainer.errors import CheckpointError
 from trainer.io import first_line
 from trainer.joblog import say
@@ -31,11 +30,6 @@ from trainer.joblog import say
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
 # DCP reports a failure on any rank as CheckpointException, a BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
-# Model fields that must agree between a checkpoint and the run that loads it, with the value a
-# checkpoint written before the field existed was trained with (GPT-2's block).
-MODEL_FIELDS = {k: getattr(ModelConfig, k) for k in (
-    "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias", "norm", "norm_eps",
-    "pos", "rope_theta", "mlp", "mlp_hidden", "mlp_multiple_of", "n_kv_head", "qk_norm", "tie_embeddings")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -122,19 +116,6 @@ def check_files(ckpt: Path, metadata: Metadata) -> None:
         if size < end:
             reason = f"truncated shard file {name}: {size:,} bytes, needs {end:,}"
             raise CorruptCheckpoint(ckpt, reason, f"checkpoint {ckpt} has a {reason}; it is corrupt or partial")
-
-
-def check_model_config(ckpt: Path, saved_cfg: dict, model_cfg) -> None:
-    saved = saved_cfg.get("model", {})
-    diffs = [
-        f"{k}={saved.get(k, old)!r} vs {model_cfg[k]!r}" for k, old in MODEL_FIELDS.items()
-        if saved.get(k, old) != model_cfg[k]
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint {ckpt} was written for another model (model={saved.get('name')!r}: "
-            f"{', '.join(diffs)} in this run); resume with the same model settings or use a new run dir"
-        )
 
 
 def check_template(ckpt: Path, metadata: Metadata, flat_template: dict[str, torch.Tensor]) -> None:

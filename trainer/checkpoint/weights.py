@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.deferred import dcp, verify
 from trainer.checkpoint.finite import describe_nonfinite, nonfinite_tensors
 from trainer.checkpoint.integrity import CorruptCheckpoint
 from trainer.checkpoint.layout import (
@@ -21,16 +21,8 @@ from trainer.checkpoint.layout import (
     resolve_checkpoint,
     step_dir_name,
 )
+from trainer.checkpoint.records import read_checkpoint_config
 from trainer.checkpoint.selection import newest_intact
-from trainer.checkpoint.verify import (
-    DCP_ERRORS,
-    SafeReader,
-    check_files,
-    check_template,
-    read_checkpoint_config,
-    read_metadata,
-    verify_files,
-)
 from trainer.config import from_dict
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
@@ -42,10 +34,11 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     """Load a checkpoint's full weights into a plain (unwrapped) GPT in this process, once every
     file matches its recorded checksum (a corrupt checkpoint is refused, naming an intact one)."""
     ckpt_dir = Path(ckpt_dir)
+    checks = verify()  # DCP only now: `dtrain eval`'s checks, and their errors, come without it
     try:
-        verify_files(ckpt_dir)
-        metadata = read_metadata(ckpt_dir)
-        check_files(ckpt_dir, metadata)
+        checks.verify_files(ckpt_dir)
+        metadata = checks.read_metadata(ckpt_dir)
+        checks.check_files(ckpt_dir, metadata)
     except CorruptCheckpoint as err:
         root = ckpt_dir.parent if checkpoint_step(ckpt_dir) is not None else ckpt_dir / CHECKPOINT_DIR
         intact = newest_intact(root, exclude=ckpt_dir)
@@ -53,12 +46,12 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
         raise CheckpointError(f"{err}; {hint}") from None
     aliases = tied_aliases(model)
     template = {k: v for k, v in model.state_dict().items() if k not in aliases}
-    check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
+    checks.check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
     try:
-        dcp.load({"model": template}, storage_reader=SafeReader(ckpt_dir), no_dist=True)
+        dcp().load({"model": template}, storage_reader=checks.SafeReader(ckpt_dir), no_dist=True)
     except CheckpointError:
         raise
-    except DCP_ERRORS as err:
+    except checks.DCP_ERRORS as err:
         raise CheckpointError(f"checkpoint {ckpt_dir} could not be read: {first_line(err)}") from None
     model.load_state_dict({**template, **{a: template[n] for a, n in aliases.items()}})
     _check_finite(model, ckpt_dir)

@@ -43,6 +43,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, UserError
 from trainer.evals.hub import hub_unreachable
 from trainer.evals.shards import Shards
+from trainer.evals.task_data import not_cached, uncached_data
 from trainer.io import write_atomic
 from trainer.launch import run_workers
 from trainer.model import build_model
@@ -105,6 +106,11 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
     # The harness (seconds to import) and its task index only now, after every check that needs neither;
     # the task names are checked before the weights are read.
     offline = hub_unreachable()  # before the harness imports the Hub's clients, which read it
+    if offline and args.include_path is None:  # data surely not cached: one line now, not after importing the harness
+        missing = uncached_data(tasks)
+        if missing:
+            named = ", ".join(f"{task}'s ({dataset})" for task, dataset in missing)
+            raise UserError(not_cached(offline, f"{named} data"))
     from trainer.evals import harness, task_index  # the optional extra dtrain[harness]: only for --tasks
 
     manager = task_index.task_manager(args.include_path)

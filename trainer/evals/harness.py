@@ -33,6 +33,7 @@ from lm_eval.tasks import TaskManager, get_task_dict
 from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, UserError
 from trainer.evals.shards import Shards
+from trainer.evals.task_data import not_cached
 from trainer.io import first_line, write_atomic
 from trainer.model.decode import Sampling, generate
 
@@ -241,9 +242,7 @@ def load_tasks(tasks: list[str], manager: TaskManager, offline: str) -> None:
     try:
         get_task_dict(tasks, manager)
     except ConnectionError:
-        raise UserError(f"the harness could not fetch a task's data: it is not in the cache (~/.cache/huggingface) "
-                        f"and the Hugging Face Hub is out of reach ({offline}); run it once with network "
-                        "access, or use local task YAMLs with --include-path") from None
+        raise UserError(not_cached(offline)) from None
 
 
 def evaluate(lm: DtrainLM, tasks: list[str], manager: TaskManager, limit: float | None = None,

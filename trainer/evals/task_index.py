@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import pickle
 from collections import defaultdict
 from itertools import chain
 from pathlib import Path
 
-import lm_eval
 import lm_eval.tasks as harness_tasks
 from lm_eval.tasks import TaskManager
 
 from trainer.data.tokenizer import cache_dir
+from trainer.evals.task_data import folder_key, index_stem, keep_task_files, task_files_path
 from trainer.io import write_atomic
 
 try:  # lm-eval >= 0.4.10: the index as its own class, entries by kind
@@ -65,25 +64,17 @@ def built_in_index(root: Path = BUILT_IN, folder: Path | None = None) -> dict:
     """The index of the task YAMLs under `root` (the harness's own by default), from `folder`
     (default <cache>/lm_eval_tasks) when an intact copy for exactly these files is there."""
     folder = folder or cache_dir() / "lm_eval_tasks"
-    # The entries hold absolute paths: one file per installed task folder (a venv each), named by it.
-    where = hashlib.blake2b(str(root.resolve()).encode(), digest_size=6).hexdigest()
-    path = folder / f"{where}-{lm_eval.__version__}-{fingerprint(root)}.pickle"
+    stem = index_stem(root)
+    path = folder / f"{stem}.pickle"
     index = _read(path)
     if index is None:
         index = TaskIndex.build([root])
-        _write(path, index, stale=f"{where}-*.pickle")
+        _write(path, index, stale=f"{folder_key(root)}-*")
+    task_files = task_files_path(folder, stem)
+    if not task_files.exists():  # what task_data.py reads to tell offline that a task's data is missing
+        keep_task_files(task_files, {name: str(entry.yaml_path) for name, entry in index.items()
+                                     if entry.kind == Kind.TASK})
     return index
-
-
-def fingerprint(root: Path) -> str:
-    """A digest of every task YAML under `root`: its path, size and modification time."""
-    files = []
-    for folder, _, names in os.walk(root):
-        for name in names:
-            if name.endswith(".yaml"):
-                stat = os.stat(os.path.join(folder, name))
-                files.append(f"{os.path.relpath(os.path.join(folder, name), root)}\0{stat.st_size}\0{stat.st_mtime_ns}")
-    return hashlib.blake2b("\n".join(sorted(files)).encode(), digest_size=12).hexdigest()
 
 
 def _read(path: Path) -> dict | None:

@@ -7,12 +7,6 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from trainer.errors import ConfigError
 from trainer.model import GPT
@@ -141,7 +135,7 @@ class Strategy:
     # so it reshards across world sizes and modes. Hyperparameters come from the config.
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         raw = self.unwrap(model)
-        state = get_model_state_dict(raw)
+        state = dcp_state().get_model_state_dict(raw)
         for alias in tied_aliases(raw):
             state.pop(alias, None)
         return state
@@ -151,10 +145,10 @@ class Strategy:
         full = dict(state)
         for alias, name in tied_aliases(raw).items():
             full[alias] = full[name]
-        set_model_state_dict(raw, full)
+        dcp_state().set_model_state_dict(raw, full)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return get_optimizer_state_dict(self.unwrap(model), parts(optimizer))["state"]
+        return dcp_state().get_optimizer_state_dict(self.unwrap(model), parts(optimizer))["state"]
 
     def optimizer_state_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Tensors of the right shapes (and sharding) for a checkpoint's optimizer state to load
@@ -165,9 +159,18 @@ class Strategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
         raw = self.unwrap(model)
-        full = get_optimizer_state_dict(raw, parts(optimizer))  # this run's param groups and hyperparameters
+        full = dcp_state().get_optimizer_state_dict(raw, parts(optimizer))  # this run's groups and hyperparameters
         full["state"] = state
-        set_optimizer_state_dict(raw, parts(optimizer), full)
+        dcp_state().set_optimizer_state_dict(raw, parts(optimizer), full)
+
+
+def dcp_state():
+    """torch.distributed.checkpoint.state_dict, the state-dict helpers every mode saves and restores
+    through. Imported at the first save or restore, not with this module: torch.distributed.checkpoint
+    pulls in DTensor and sympy (about 0.7 s), which a one-process run needs for nothing else."""
+    from torch.distributed.checkpoint import state_dict  # deferred: heavy (see above)
+
+    return state_dict
 
 
 def load_indexed_state(optimizer: torch.optim.Optimizer, indexed: dict[int, dict]) -> None:
