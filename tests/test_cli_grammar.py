@@ -52,6 +52,7 @@ def test_a_record_written_under_the_old_names_reads_as_the_new():
     assert (cfg.train.val_interval, cfg.train.val_batches, cfg.eval.hellaswag.interval) == (9, 1, 4)
 
 
+@pytest.mark.slow
 def test_a_run_given_an_old_name_says_the_new_one_and_uses_it(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_args(data_dir, run_dir, "train.max_steps=2", "train.eval_interval=1")
@@ -63,6 +64,7 @@ def test_a_run_given_an_old_name_says_the_new_one_and_uses_it(data_dir, tmp_path
 
 # --- one grammar: every flag also as name=value ---------------------------------------------------
 
+@pytest.mark.slow
 def test_flags_and_key_values_are_one_grammar(tmp_path):
     run_dir = tmp_path / "run"
     checkpointed_tiny_run(run_dir, [f"hydra.run.dir={run_dir}"], steps=1, tokens_per_step=32)

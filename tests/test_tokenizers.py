@@ -85,6 +85,7 @@ def test_model_vocab_follows_the_tokenizer_and_a_smaller_model_is_refused(tmp_pa
     assert_user_error(run_dtrain(["plan", "tokenizer=hf"]), "tokenizer=hf needs tokenizer.path=DIR")
 
 
+@pytest.mark.slow
 def test_tokenizer_train_is_deterministic_and_says_its_figures(tmp_path):
     args = ["tokenizer", "train", "data=text", "data.name=shakes", f"data.source={TINYSHAKESPEARE}",
             f"data.dir={tmp_path / 'data'}", "tokenizer.vocab_size=1024"]
@@ -99,6 +100,7 @@ def test_tokenizer_train_is_deterministic_and_says_its_figures(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_big_vocabulary_data_is_uint32_and_beside_gpt2s(tmp_path):
     folder = big_vocab_folder(tmp_path / "big")
     source = tmp_path / "corpus.txt"
@@ -115,6 +117,7 @@ def test_big_vocabulary_data_is_uint32_and_beside_gpt2s(tmp_path):
     assert ids[0] == BIG_VOCAB - 1 and ids.max() == BIG_VOCAB - 1 and ids[1:].max() < 256
 
 
+@pytest.mark.slow
 def test_data_of_another_tokenizer_is_one_line(tmp_path):
     """A dataset whose manifest records tokenizer A, read by a run of tokenizer B (a hand-copied
     folder): one error line naming both, nothing written."""
