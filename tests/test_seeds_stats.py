@@ -19,7 +19,7 @@ from test_sweep import sweep_args
 from trainer.compose import expand_seeds
 from trainer.errors import UserError
 from trainer.results import identity
-from trainer.stats import INSTALL_HINT, analyse, group_runs, seed_statistics, summarize, welch
+from trainer.stats import INSTALL_HINT, analyse, find_group, group_runs, seed_statistics, summarize, welch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -213,3 +213,14 @@ def test_two_recipes_three_seeds_sweep_and_report(data_dir, tmp_path):
     assert flipped["final_val_loss"]["a"] == got_b["overrides"]
     assert flipped["final_val_loss"]["diff"] == pytest.approx(-val["diff"], rel=1e-12)
     assert flipped["final_val_loss"]["p_value"] == pytest.approx(val["p_value"], rel=1e-9)
+
+
+def test_a_baseline_naming_a_group_exactly_wins_over_groups_that_add_to_it():
+    runs = [{"overrides": ["experiment=cpu", f"train.seed={s}"]} for s in range(2)]
+    runs += [{"overrides": ["experiment=cpu", "optim.schedule=wsd", f"train.seed={s}"]} for s in range(2)]
+    runs += [{"overrides": ["experiment=fast", f"train.seed={s}"]} for s in range(2)]
+    groups = group_runs(runs, lambda overrides: overrides)
+    assert find_group(groups, "experiment=cpu").overrides == ["experiment=cpu"]
+    assert find_group(groups, "optim.schedule=wsd").overrides == ["experiment=cpu", "optim.schedule=wsd"]
+    with pytest.raises(UserError, match="matches no group"):
+        find_group(groups, "experiment=other")

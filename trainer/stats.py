@@ -113,9 +113,13 @@ def group_runs(records: list[dict[str, Any]], identity) -> list[Group]:
 
 def find_group(groups: list[Group], baseline: str) -> Group:
     """The group a `--baseline` names: its overrides, space-separated, in any order (those shared
-    by every group may be left out)."""
+    by every group may be left out). A group whose overrides are exactly those wins over the groups
+    that add to them (`experiment=a` is experiment=a's group, not also experiment=a's with a schedule)."""
     wanted = set(baseline.split())
     found = [g for g in groups if wanted <= set(g.overrides)]
+    shared = set.intersection(*(set(g.overrides) for g in groups)) if groups else set()
+    exact = [g for g in found if set(g.overrides) - shared <= wanted]
+    found = exact if len(exact) == 1 else found
     if len(found) != 1:
         names = "; ".join(" ".join(g.overrides) or "(no overrides)" for g in groups)
         why = "matches no group" if not found else f"matches {len(found)} groups"
