@@ -92,7 +92,7 @@ def test_tokenizer_train_is_deterministic_and_says_its_figures(tmp_path):
     first = run_dtrain([*args, f"tokenizer.path={tmp_path / 'a'}"], check=True)
     run_dtrain([*args, f"tokenizer.path={tmp_path / 'b'}"], check=True)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
-    assert "1,024-token byte-level BPE" in first.stdout and "bytes per token" in first.stdout
+    assert "byte-level BPE of 1,024 tokens" in first.stdout and "bytes per token" in first.stdout
     tok = load_tokenizer({"name": "hf", "path": str(tmp_path / "a")})
     assert tok.vocab_size == 1024 and tok.decode(tok.encode("ROMEO: o, Juliet")) == "ROMEO: o, Juliet"
     assert_user_error(run_dtrain([*args[:-1], f"tokenizer.path={tmp_path / 'c'}"]),

@@ -7,6 +7,13 @@ state-dict helpers the same way.
 
 from __future__ import annotations
 
+import warnings
+
+# DCP warns on every single-process save and load (an async one warns from its thread); that is
+# the intended use here. Process-wide, and installed here because every module that saves or
+# loads with DCP (manager, selection, weights, init_from) imports this one, before DCP itself.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+
 
 def dcp():
     """torch.distributed.checkpoint."""

@@ -8,7 +8,6 @@ index that way. The checks name the checkpoint and what is wrong with it in one 
 from __future__ import annotations
 
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,6 @@ from trainer.errors import CheckpointError
 from trainer.io import first_line
 from trainer.joblog import say
 
-# DCP warns on every single-process save and load (an async one warns from its thread); that is
-# the intended use here. Process-wide, and installed here because every module that saves or
-# loads with DCP (manager, weights) imports this one.
-warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
 # DCP reports a failure on any rank as CheckpointException, a BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
 

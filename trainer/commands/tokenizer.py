@@ -77,7 +77,7 @@ def cmd_tokenizer(argv: list[str]) -> None:
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     n_tokens = sum(len(trained.encode(t)) for t in texts)
     Console().print(
-        f"[green]trained[/] a {trained.vocab_size:,}-token byte-level BPE on {data_cfg.name} "
+        f"[green]trained[/] a byte-level BPE of {trained.vocab_size:,} tokens on {data_cfg.name} "
         f"({n_bytes:,} bytes) in {seconds:.1f} s: {n_bytes / max(1, n_tokens):.2f} bytes per token; "
         f"{out / TOKENIZER_FILE}\n  use it: dtrain prepare data={data_cfg.name} tokenizer=hf tokenizer.path={out}",
         highlight=False, soft_wrap=True)
