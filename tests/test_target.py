@@ -163,3 +163,33 @@ def test_a_continued_run_adds_to_the_training_seconds_of_its_checkpoint(data_dir
     assert target["train_s"] > before["summary"]["train_s"]
     assert target["excluded_s"]["warmup"] > before["excluded_s"]["warmup"]  # each session's first step
     assert target["excluded_s"]["evaluation"] > before["excluded_s"]["evaluation"]
+
+
+def test_a_bits_per_byte_target_is_watched_the_same_way():
+    watch = TargetWatch(TrainConfig(target_val_bpb=2.5), flops_per_token=10.0)
+    state = _State(step=4, tokens=1024)
+    assert watch.figure == "val_bpb" and not watch.reached(2.6, state)
+    assert watch.reached(2.5, state) and state.target["target_val_bpb"] == 2.5 and state.target["val_bpb"] == 2.5
+    assert describe_target(state.target).startswith("val bpb 2.5000 <= 2.5 at step 4")
+    assert describe_target(TargetWatch(TrainConfig(target_val_bpb=1.0), 1.0).record(_State(9, 9))) == \
+        "val bpb 1.0 not reached in 9 steps"
+
+
+def test_two_targets_at_once_are_one_error_line(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "train.target_val_loss=4", "train.target_val_bpb=2"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: train.target_val_loss=4.0 and train.target_val_bpb=2.0: a run stops at one target; set one of them "
+        "(the other null)"], proc.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_bits_per_byte_target_stops_the_run(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(data_dir, run_dir, "train.max_steps=30", "train.target_val_bpb=50")  # met at once
+    args[args.index("train.val_interval=0")] = "train.val_interval=5"
+    run_dtrain(args, check=True)
+    target = end_record(run_dir)["target"]
+    assert target["reached"] and target["step"] == 5 and target["target_val_bpb"] == 50 and target["val_bpb"] <= 50
+    assert end_record(run_dir)["summary"]["steps"] == 5

@@ -221,6 +221,7 @@ class TrainConfig:
     # Time to target (docs/evaluation.md): the first validation at or below this loss records the
     # summary's `target` record and ends the run, unless continue_after_target. null = no target.
     target_val_loss: Optional[float] = None
+    target_val_bpb: Optional[float] = None  # the same in bits per byte (comparable across tokenizers)
     continue_after_target: bool = False
 
 

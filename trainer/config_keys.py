@@ -50,7 +50,7 @@ OPERATIONAL = (
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # when the run ends, not what any step learns: a target stops it early as a stop signal would,
     # and the summary's `target` record names the target it met
-    "train.target_val_loss", "train.continue_after_target",
+    "train.target_val_loss", "train.target_val_bpb", "train.continue_after_target",
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
     "tokenizer.vocab_size", "data.tokenizer.vocab_size",  # only `dtrain tokenizer train` reads it

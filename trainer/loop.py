@@ -271,7 +271,8 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val, "val_bpb": bpb})
                 view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}")
                 steps.restart_window(excluded="evaluation")  # tokens/s measures training, not evaluation
-                if watch.reached(val, state):  # the run ends here, unless train.continue_after_target
+                # the run ends at its target, unless train.continue_after_target
+                if watch.reached({"val_loss": val, "val_bpb": bpb}[watch.figure], state):
                     view.print(f"time to target: {describe_target(state.target)}")
                     last = True
                 if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer, metrics):

@@ -1,15 +1,15 @@
-"""Time to target (train.target_val_loss): the first validation at or below the target records
-when the run got there, in the run summary's `target` record, and ends the run unless
-train.continue_after_target. The rules speedrun records use: training seconds leave out
-evaluation, checkpoints and the session's first step (compilation, allocator warm-up), each
-reported beside them; FLOPs are the model's own count per token (6N plus attention) times tokens.
+"""Time to target (train.target_val_loss, or train.target_val_bpb in bits per byte): the first
+validation at or below the target records when the run got there, in the run summary's `target`
+record, and ends the run unless train.continue_after_target. The rules speedrun records use:
+training seconds leave out evaluation, checkpoints and the session's first step (compilation,
+allocator warm-up), each reported beside them; FLOPs are the model's own count per token (6N plus attention) times tokens.
 
     {"reached": true, "target_val_loss": 4.5, "val_loss": 4.49, "step": 120, "tokens": 491520,
      "train_s": 31.2, "excluded_s": {"warmup": 2.1, "evaluation": 9.8, "checkpoint": 1.4},
      "flops": 1.2e15}
 
-A run that ends above it records {"reached": false, "target_val_loss": ..., "best_val_loss": ...}.
-No torch here."""
+A bits-per-byte target records "target_val_bpb" and "val_bpb" instead. A run that ends above it
+records {"reached": false, "target_val_loss": ..., "best_val_loss": ...}. No torch here."""
 
 from __future__ import annotations
 
@@ -22,17 +22,22 @@ class TargetWatch:
     checkpoint keeps it, so a continued run neither records nor stops twice)."""
 
     def __init__(self, train_cfg, flops_per_token: float):
-        self.target = train_cfg.target_val_loss
+        # one figure: val_loss (train.target_val_loss) or val_bpb (train.target_val_bpb; the checks
+        # refuse both at once)
+        bpb = getattr(train_cfg, "target_val_bpb", None)
+        self.figure = "val_bpb" if bpb is not None else "val_loss"
+        self.target = bpb if bpb is not None else train_cfg.target_val_loss
         self.go_on = train_cfg.continue_after_target
         self.flops_per_token = flops_per_token
 
-    def reached(self, val_loss: float, state) -> bool:
-        """After an evaluation (its seconds already counted as excluded): record the target when
-        this is the first evaluation at or below it; True when the run is to end here."""
-        if self.target is None or state.target is not None or not val_loss <= self.target:
+    def reached(self, value: float, state) -> bool:
+        """After an evaluation (its seconds already counted as excluded), with the watched figure's
+        `value`: record the target when this is the first evaluation at or below it; True when the
+        run is to end here."""
+        if self.target is None or state.target is not None or not value <= self.target:
             return False
         state.target = {
-            "reached": True, "target_val_loss": self.target, "val_loss": val_loss,
+            "reached": True, f"target_{self.figure}": self.target, self.figure: value,
             "step": state.step, "tokens": state.tokens, "train_s": state.train_s,
             "excluded_s": dict(state.excluded_s), "flops": self.flops_per_token * state.tokens,
         }
@@ -44,6 +49,8 @@ class TargetWatch:
             return None
         if state.target is not None:
             return state.target
+        if self.figure == "val_bpb":
+            return {"reached": False, "target_val_bpb": self.target, "step": state.step}
         best = state.best_val_loss if math.isfinite(state.best_val_loss) else None
         return {"reached": False, "target_val_loss": self.target, "best_val_loss": best, "step": state.step}
 
@@ -52,11 +59,13 @@ def describe_target(record: dict[str, Any] | None) -> str | None:
     """The summary table's line for a target record (None without a target)."""
     if record is None:
         return None
+    figure = "val_bpb" if "target_val_bpb" in record else "val_loss"
+    name = figure.replace("_", " ")
     if not record.get("reached"):
         best = record.get("best_val_loss")
-        return (f"val loss {record['target_val_loss']} not reached in {record['step']} steps "
-                f"(best {'-' if best is None else f'{best:.4f}'})")
+        return (f"{name} {record[f'target_{figure}']} not reached in {record['step']} steps"
+                + (f" (best {'-' if best is None else f'{best:.4f}'})" if figure == "val_loss" else ""))
     excluded = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in record["excluded_s"].items())
-    return (f"val loss {record['val_loss']:.4f} <= {record['target_val_loss']} at step {record['step']}: "
+    return (f"{name} {record[figure]:.4f} <= {record[f'target_{figure}']} at step {record['step']}: "
             f"{record['train_s']:.1f} s training (excluded: {excluded or 'none'} s), "
             f"{record['tokens']:,} tokens, {record['flops']:.3g} FLOPs")

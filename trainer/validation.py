@@ -103,6 +103,7 @@ RANGES = {
     "train.max_nonfinite": _at_least(1),
     "train.loss_chunks": _at_least(1),
     "train.target_val_loss": (lambda v: v > 0, "a positive loss in nats (e.g. 4.5)"),
+    "train.target_val_bpb": (lambda v: v > 0, "a positive figure in bits per byte (e.g. 2.0)"),
     "checkpoint.interval": _at_least(0),  # 0 = only at the end
     "checkpoint.keep": _at_least(1),
     "eval.hellaswag.interval": _at_least(0),  # 0 = never during training
@@ -146,7 +147,8 @@ NULL_MEANS = {
     "model.mlp_hidden": "4 x n_embd, or Llama's rule for swiglu", "model.n_kv_head": "n_head",
     "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
     "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",
-    "eval.limit": "every example", "train.target_val_loss": "no target", "sweep.seeds": "no seed axis",
+    "eval.limit": "every example", "train.target_val_loss": "no target",
+    "train.target_val_bpb": "no target", "sweep.seeds": "no seed axis",
     "world": "1, or torchrun's WORLD_SIZE",
 }
 
@@ -231,6 +233,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.device={t.device!r} is not a device; use auto, cpu, cuda or cuda:N")
     if t.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
+    if t.target_val_loss is not None and t.target_val_bpb is not None:
+        raise ConfigError(f"train.target_val_loss={t.target_val_loss} and train.target_val_bpb={t.target_val_bpb}: "
+                          "a run stops at one target; set one of them (the other null)")
     if t.compile_mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={t.compile_mode!r} is unknown; choose one of {', '.join(COMPILE_MODES)}")
     if t.compile_mode != "default" and not t.compile:
