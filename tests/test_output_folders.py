@@ -148,8 +148,9 @@ def test_report_of_a_run_on_a_read_only_mount(run_dir, mounts, tmp_path, capsys)
     assert f"the folder {frozen} cannot be written (a read-only file system)" in err, err
     assert "write them elsewhere with --out DIR" in err, err
     main(["report", str(frozen), "--out", str(tmp_path / "figures")])
-    assert {p.name for p in (tmp_path / "figures").iterdir()} == {"loss.png", "lr.png", "tokens_per_s.png"}
-    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in (tmp_path / "figures").iterdir())
+    assert {p.name for p in (tmp_path / "figures").iterdir()} == {"loss.png", "lr.png", "tokens_per_s.png",
+                                                                  "report.json"}  # issue 37: beside the figures
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in (tmp_path / "figures").glob("*.png"))
     assert snapshot(run_dir) == before
 
 

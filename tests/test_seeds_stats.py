@@ -143,12 +143,13 @@ def test_report_baseline_of_single_runs_is_one_error_line_and_writes_nothing(tmp
 # --- a 2 x 3 sweep of the tiny model --------------------------------------------------------------
 def by_hand(point_dirs: list[Path]) -> dict[str, list[float]]:
     """The figures of each point, read straight from its metrics.jsonl."""
-    out: dict[str, list[float]] = {"final_val_loss": [], "best_val_loss": [], "train_tokens_per_s": [],
-                                   "target_train_s": [], "target_tokens": []}
+    out: dict[str, list[float]] = {"final_val_loss": [], "best_val_loss": [], "final_val_bpb": [],
+                                   "train_tokens_per_s": [], "target_train_s": [], "target_tokens": []}
     for point in point_dirs:
         records = read_metrics(point)
         end = [r for r in records if "summary" in r][-1]
         out["final_val_loss"].append([r["val_loss"] for r in records if "val_loss" in r][-1])
+        out["final_val_bpb"].append([r["val_bpb"] for r in records if "val_bpb" in r][-1])
         out["best_val_loss"].append(end["summary"]["best_val_loss"])
         out["train_tokens_per_s"].append(end["summary"]["train_tokens_per_s"])
         out["target_train_s"].append(end["target"]["train_s"])
