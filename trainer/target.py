@@ -2,7 +2,8 @@
 validation at or below the target records when the run got there, in the run summary's `target`
 record, and ends the run unless train.continue_after_target. The rules speedrun records use:
 training seconds leave out evaluation, checkpoints and the session's first step (compilation,
-allocator warm-up), each reported beside them; FLOPs are the model's own count per token (6N plus attention) times tokens.
+allocator warm-up), each reported beside them; FLOPs are the model's own count per token (6N plus
+attention) times tokens.
 
     {"reached": true, "target_val_loss": 4.5, "val_loss": 4.49, "step": 120, "tokens": 491520,
      "train_s": 31.2, "excluded_s": {"warmup": 2.1, "evaluation": 9.8, "checkpoint": 1.4},
