@@ -32,7 +32,6 @@ from trainer.signals import at_step_boundary
 from trainer.steplog import StepLog
 from trainer.target import TargetWatch, describe_target
 from trainer.trackers import open_trackers
-from trainer.vocab import tokenizer_vocab_size
 
 
 @dataclass
@@ -79,6 +78,7 @@ class Run:
         if rt.device.type == "cuda":
             # TF32 tensor cores for the fp32 matmuls left outside autocast (bf16 does the rest).
             torch.set_float32_matmul_precision("high")
+        self.tokenizer = load_tokenizer(cfg.tokenizer)  # its vocabulary bounds the loaders' ids
         self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
@@ -90,10 +90,9 @@ class Run:
         if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:
             self.val_loader = self._val_loader()
             # bytes per id of the (padded) head; padding rows never stand for text: 0
-            self.token_bytes = torch.zeros(raw_model.config.padded_vocab_size, dtype=torch.int64)
-            known = load_tokenizer(cfg.tokenizer).byte_lengths()[: self.token_bytes.numel()]
-            self.token_bytes[: len(known)] = torch.tensor(known)
-            self.token_bytes = self.token_bytes.to(rt.device)
+            known = self.tokenizer.byte_lengths()[: raw_model.config.padded_vocab_size]
+            padding = [0] * (raw_model.config.padded_vocab_size - len(known))
+            self.token_bytes = torch.tensor([*known, *padding], dtype=torch.int64, device=rt.device)
         self.forward = self.model
         if cfg.train.compile:
             self.forward = torch.compile(self.model, mode=cfg.train.compile_mode)
@@ -125,7 +124,7 @@ class Run:
             self.rt.device,
             shuffle_shards=shuffle,
             what=f"{split} split of dataset {self.cfg.data.name!r}",
-            vocab_size=tokenizer_vocab_size(self.cfg.tokenizer.name, self.cfg.tokenizer.path),
+            vocab_size=self.tokenizer.vocab_size,
             redo=redo_command(self.cfg.data),
         )
 
@@ -212,7 +211,7 @@ class Run:
         model = self.strategy.inference_model(self.model)
         model.eval()
         return generate_text(model, prompt, max_new_tokens, device=self.rt.device, seed=seed,
-                             tokenizer=load_tokenizer(self.cfg.tokenizer),
+                             tokenizer=self.tokenizer,
                              autocast=self.strategy.autocast)
 
 

@@ -22,23 +22,37 @@ SOURCE_TOKENIZER_RESOLVER = "dtrain_source_tokenizer"  # conf/tokenizer/auto.yam
 
 
 @functools.lru_cache(maxsize=8)
-def _hf_vocab_size(file: str, _mtime_ns: int) -> int:  # the mtime keys the cache: an edit is read again
-    spec = json.loads(Path(file).read_text(encoding="utf-8"))
-    ids = list(spec.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in spec.get("added_tokens", [])]
-    return max(ids) + 1
+def _file_facts(file: str, _mtime_ns: int) -> tuple[int | None, bool, str]:  # the mtime keys the cache
+    """(ids, whether it is GPT-2's BPE, the first 8 hex digits of its sha256) of a tokenizer.json,
+    read and parsed once per file version: the resolvers below run on every access of the keys."""
+    raw = Path(file).read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()[:8]
+    try:
+        spec = json.loads(raw)
+        vocab = spec.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) + [t["id"] for t in spec.get("added_tokens", [])]
+        # GPT-2's own tokenizer.json (a GPT-2 folder) is the same BPE as tiktoken's
+        is_gpt2 = len(vocab) == TOKENIZER_VOCAB_SIZE and vocab.get("<|endoftext|>") == TOKENIZER_VOCAB_SIZE - 1
+        return max(ids) + 1, is_gpt2, digest
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None, False, digest
+
+
+def _facts(folder) -> tuple[int | None, bool, str] | None:
+    """_file_facts of folder/tokenizer.json, or None when it cannot be read."""
+    file = Path(str(folder)).expanduser() / "tokenizer.json"
+    try:
+        return _file_facts(str(file.absolute()), file.stat().st_mtime_ns)
+    except OSError:
+        return None
 
 
 def tokenizer_vocab_size(name: str, path: str | None) -> int:
     """How many ids the `tokenizer` config's tokenizer has, read from its tokenizer.json (stdlib
     only: the checks run before torch and before the `tokenizers` library). GPT-2's when it cannot
     be read: the tokenizer's own check (trainer/data/tokenizers.py) then names what is wrong."""
-    if name == "hf" and path:
-        file = Path(str(path)).expanduser() / "tokenizer.json"
-        try:
-            return _hf_vocab_size(str(file.absolute()), file.stat().st_mtime_ns)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            pass
-    return TOKENIZER_VOCAB_SIZE
+    facts = _facts(path) if name == "hf" and path else None
+    return facts[0] if facts and facts[0] is not None else TOKENIZER_VOCAB_SIZE
 
 
 def tokenizer_tag(tok) -> str | None:
@@ -47,27 +61,19 @@ def tokenizer_tag(tok) -> str | None:
     file cannot be read (the tokenizer's own check then says why)."""
     if tok is None or tok.get("name") != "hf" or not tok.get("path"):
         return None
-    try:
-        return hashlib.sha256((Path(str(tok["path"])).expanduser() / "tokenizer.json").read_bytes()).hexdigest()[:8]
-    except OSError:
-        return None
+    facts = _facts(tok["path"])
+    return facts[2] if facts else None
 
 
 def source_tokenizer(init_from: str | None, field: str) -> str | None:
     """tokenizer=auto (the default): the tokenizer of model.init_from's Hugging Face folder when it
     holds a tokenizer.json other than GPT-2's (SmolLM2, Llama 3, Qwen3 ...), so fine-tuning a real
-    checkpoint needs no extra key; else GPT-2's. `field`: "name" or "path"."""
-    folder = Path(str(init_from)).expanduser() if init_from else None  # a recipe's REQUIRED: no folder
-    if folder is None or not (folder / "tokenizer.json").is_file():
+    checkpoint needs no extra key; else GPT-2's (a GPT-2 folder's keeps tiktoken's, and its datasets).
+    `field`: "name" or "path"."""
+    facts = _facts(init_from) if init_from else None  # a recipe's REQUIRED: no folder, no facts
+    if facts is None or facts[1]:
         return "gpt2" if field == "name" else None
-    try:  # GPT-2's own tokenizer.json (a GPT-2 folder) is the same BPE: keep tiktoken's, and its datasets
-        vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
-        is_gpt2 = len(vocab) == TOKENIZER_VOCAB_SIZE and vocab.get("<|endoftext|>") == TOKENIZER_VOCAB_SIZE - 1
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        is_gpt2 = False
-    if is_gpt2:
-        return "gpt2" if field == "name" else None
-    return "hf" if field == "name" else str(folder.absolute())
+    return "hf" if field == "name" else str(Path(str(init_from)).expanduser().absolute())
 
 
 OmegaConf.register_new_resolver(VOCAB_RESOLVER, tokenizer_vocab_size, replace=True)
