@@ -5,7 +5,7 @@
                                                  [--world 2] [--dir /tmp/dtrain-bench-ckpt]
 
 For each mode it builds the model and strategy on `world` workers (one for a mode whose workers
-do not train one model together, like `none`), started fresh through trainer.launch like every
+do not train one model together, like `none`), started fresh through trainer.launch.workers like every
 benchmark, gives the optimizer its full AdamW state with one step on zero gradients (no training),
 then times, with the real Checkpointer: a synchronous save, an async save (the stall: how long
 `save()` blocks the training thread; and the time until it is published), and a restore into a
@@ -33,12 +33,12 @@ from benchmarks.harness import on_every_rank  # noqa: E402
 
 from trainer.checkpoint.layout import latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
-from trainer.compose import compose  # noqa: E402
-from trainer.config import batch_plan, from_dict, to_dict  # noqa: E402
-from trainer.launch import run_workers  # noqa: E402
-from trainer.loop import TrainState  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
+from trainer.config.schema import batch_plan, from_dict, to_dict  # noqa: E402
+from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.parallel import make_strategy, strategy_class  # noqa: E402
+from trainer.train.loop import TrainState  # noqa: E402
 
 
 class _Loader:

@@ -39,13 +39,13 @@ from trainer.checkpoint.integrity import (  # noqa: E402
 from trainer.checkpoint.layout import MARKER, latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.checkpoint.verify import SafeReader  # noqa: E402
-from trainer.compose import compose  # noqa: E402
-from trainer.config import batch_plan  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
+from trainer.config.schema import batch_plan  # noqa: E402
 from trainer.io import write_durable  # noqa: E402
-from trainer.loop import TrainState  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
-from trainer.runtime import Runtime  # noqa: E402
+from trainer.process.runtime import Runtime  # noqa: E402
+from trainer.train.loop import TrainState  # noqa: E402
 
 
 def build(cfg, rt):

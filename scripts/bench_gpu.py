@@ -16,7 +16,7 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
   compiled forward's call (dynamo's "Torch-Compiled Region" in the same profile).
 * muon: optim=muon's step against AdamW's (gpt2_124m, micro batch 32).
 * memory: torch.cuda.max_memory_allocated of dtrain's step (before the bare loop exists) beside
-  `dtrain plan`'s estimate of it (trainer/memory.py), both models, micro batch 16 and 32, compile
+  `dtrain plan`'s estimate of it (trainer/plan/memory.py), both models, micro batch 16 and 32, compile
   on and off.
 * modes: every parallel mode at world 1 (a one-process NCCL group) for a few steps.
 * choices: the settings whose defaults this benchmark chooses, each against dtrain's default step
@@ -54,19 +54,19 @@ from benchmarks.memory import PeakMemory  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from trainer.compose import compose  # noqa: E402
-from trainer.config import PARALLEL_MODES  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
+from trainer.config.schema import PARALLEL_MODES  # noqa: E402
 from trainer.data.shards import open_split  # noqa: E402
-from trainer.flops import device_peak_flops  # noqa: E402
-from trainer.loop import Run  # noqa: E402
-from trainer.memory import estimate  # noqa: E402
-from trainer.runtime import Runtime, init_runtime  # noqa: E402
+from trainer.observe.flops import device_peak_flops  # noqa: E402
+from trainer.plan.memory import estimate  # noqa: E402
+from trainer.process.runtime import Runtime, init_runtime  # noqa: E402
+from trainer.train.loop import Run  # noqa: E402
 
 GiB = 1024**3
 MODELS = {"full": ("gpt2_124m", "llama_135m"), "tiny": ("tiny", "llama_tiny")}
 BATCHES = {"full": (16, 32, 64), "tiny": (2, 4, 8)}
 SEQ = {"full": 1024, "tiny": 64}
-# The settings whose defaults this benchmark chooses (trainer/config.py TrainConfig), tried one at a time.
+# The settings whose defaults this benchmark chooses (trainer/config/schema.py TrainConfig), tried one at a time.
 CHOICES = ("train.compile_mode=reduce-overhead", "train.loss_chunks=4")
 SECTIONS = ("memory", "modes", "throughput", "muon", "choices")
 

@@ -6,7 +6,7 @@
 Without --file the examples are synthetic with HellaSwag-like lengths (a 48-token context and
 four 24-token endings, from tiny-shakespeare text when the shared copy is here); --file scores the
 first --examples of a real HellaSwag jsonl instead. Each world size runs real workers through
-trainer.launch (torchrun's engine, gloo on CPU); every worker scores its share with the same code
+trainer.launch.workers (torchrun's engine, gloo on CPU); every worker scores its share with the same code
 as training and `dtrain eval` (HellaSwagEval.evaluate), after one warm-up batch per rank.
 """
 
@@ -28,11 +28,11 @@ if str(REPO) not in sys.path:
 
 from benchmarks.harness import on_every_rank  # noqa: E402
 
-from trainer.compose import compose  # noqa: E402
-from trainer.config import to_dict  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
+from trainer.config.schema import to_dict  # noqa: E402
 from trainer.data.tokenizer import gpt2_encoding  # noqa: E402
 from trainer.evals.hellaswag import HellaSwagEval, read_examples  # noqa: E402
-from trainer.launch import run_workers  # noqa: E402
+from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 

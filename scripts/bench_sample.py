@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trainer.compose import compose  # noqa: E402
+from trainer.config.compose import compose  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.model.decode import generate  # noqa: E402
 

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint  # noqa: E402
 from trainer.checkpoint.weights import model_from_run  # noqa: E402
-from trainer.metrics import read_metrics  # noqa: E402
+from trainer.observe.metrics import read_metrics  # noqa: E402
 
 INTERVAL = 5  # steps between checkpoints
 

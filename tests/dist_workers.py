@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.config import from_dict
-from trainer.loop import Run
+from trainer.config.schema import from_dict
 from trainer.parallel import strategy_class
-from trainer.runtime import init_runtime
+from trainer.process.runtime import init_runtime
+from trainer.train.loop import Run
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

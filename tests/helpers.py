@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import torch
 
 from trainer.checkpoint.manager import Checkpointer
-from trainer.compose import compose
-from trainer.config import batch_plan
-from trainer.loop import TrainState
+from trainer.config.compose import compose
+from trainer.config.schema import batch_plan
 from trainer.model import build_model
 from trainer.parallel import make_strategy
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
+from trainer.train.loop import TrainState
 
 ONE_CPU_PROCESS = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                           distributed=False)

@@ -18,16 +18,16 @@ from test_validation import args_with, assert_nothing_written
 
 from trainer.cli import main
 from trainer.commands.plan import cmd_plan
-from trainer.compose import compose
-from trainer.config import MAX_SAMPLE_TOKENS, MAX_SEED
+from trainer.config.compose import compose
+from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED
+from trainer.config.shape import parameter_count
+from trainer.config.validation import MAX_PARAMETERS, NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
 from trainer.data.layout import dataset_dir
 from trainer.errors import ConfigError, UserError
-from trainer.launch_checks import check_model_fits
-from trainer.memory import estimate, host_memory, model_state_floor
 from trainer.model import build_model
 from trainer.parallel import STRATEGIES
-from trainer.shape import parameter_count
-from trainer.validation import MAX_PARAMETERS, NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
+from trainer.plan.memory import estimate, host_memory, model_state_floor
+from trainer.preflight.torch_checks import check_model_fits
 
 HANG = 120  # seconds: a refused command answers in a few; the hangs of issue 38 never did
 

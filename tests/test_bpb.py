@@ -11,10 +11,10 @@ import torch
 from conftest import read_metrics, run_dtrain, tiny_args
 from helpers import ONE_CPU_PROCESS
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.data.tokenizer import EOT, encode, token_byte_lengths
-from trainer.loop import Run
 from trainer.model import GPT, GPTConfig
+from trainer.train.loop import Run
 
 
 def test_byte_lengths_add_up_to_the_texts_bytes():

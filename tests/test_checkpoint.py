@@ -255,7 +255,7 @@ def test_damaged_checkpoint_is_named(kind, references, tmp_path):
 
 
 def test_resume_path_must_be_a_checkpoint(data_dir, tmp_path):
-    from trainer.rundir import check_run_dir
+    from trainer.preflight.rundir import check_run_dir
 
     not_ckpt = tmp_path / "somewhere"
     not_ckpt.mkdir()
@@ -275,7 +275,7 @@ def test_resume_path_must_be_a_checkpoint(data_dir, tmp_path):
 
 def test_resume_never_and_auto_decide_on_complete_checkpoints(references, tmp_path, monkeypatch):
     from trainer.errors import UserError
-    from trainer.rundir import check_run_dir
+    from trainer.preflight.rundir import check_run_dir
 
     run_dir = tmp_path / "run"
     ckpt = copy_run(references("none"), run_dir)
@@ -336,9 +336,9 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
     """A permission error while saving (an immutable checkpoints/ folder: root ignores plain
     permissions), through the real Run and Checkpointer in this process."""
     from trainer.checkpoint.manager import Checkpointer
-    from trainer.compose import compose
-    from trainer.loop import Run
-    from trainer.runtime import Runtime
+    from trainer.config.compose import compose
+    from trainer.process.runtime import Runtime
+    from trainer.train.loop import Run
 
     reference = references("none")
     run_dir = tmp_path / "run"

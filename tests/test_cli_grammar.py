@@ -11,8 +11,8 @@ from conftest import read_metrics, run_dtrain, tiny_args
 from helpers import checkpointed_tiny_run
 from test_cli_errors import assert_user_error
 
-from trainer.compose import closest_key, compose
-from trainer.config import from_dict, schema_keys
+from trainer.config.compose import closest_key, compose
+from trainer.config.schema import from_dict, schema_keys
 
 
 @pytest.mark.parametrize("args", [["--version"], ["train", "--version"]])
@@ -39,7 +39,7 @@ def test_the_suggestion_reaches_the_error_line():
     assert_user_error(proc, "optim.learning_rate is not a config key; did you mean optim.lr?")
 
 
-# --- renamed keys: the old names still work, with a notice (trainer/config_keys.py RENAMED_KEYS) -------
+# --- renamed keys: the old names still work, with a notice (trainer/config/keys.py RENAMED_KEYS) -------
 
 def test_old_key_names_set_the_new_keys():
     cfg = compose(["train.eval_interval=7", "train.eval_batches=3", "eval.interval=5"])

@@ -35,15 +35,15 @@ from test_checkpoint_verify import RESUMED, copy_whole_run, flip
 from test_rundir import snapshot
 from test_signals import finish, logged
 
-from trainer.checkpoint.continuation import check_same_data
 from trainer.checkpoint.layout import MARKER, STATE_FILE, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.records import newest_resumable
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.data.tokenizer import GPT2_FINGERPRINT
 from trainer.errors import DataError
-from trainer.metrics import MetricsLogger
-from trainer.results import run_figures
-from trainer.rundir import CONFIG_RECORD, RunDirState, check_run_dir
+from trainer.observe.metrics import MetricsLogger
+from trainer.observe.results import run_figures
+from trainer.preflight.continuation import check_same_data
+from trainer.preflight.rundir import CONFIG_RECORD, RunDirState, check_run_dir
 
 STEPS = 16
 STOP_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")

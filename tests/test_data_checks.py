@@ -15,14 +15,14 @@ import torch
 from conftest import run_dtrain, tiny_args
 from test_one_line_rule import error_line
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.data import prepare as P
 from trainer.data import shards
 from trainer.data.loader import ShardLoader
 from trainer.data.manifest import TOP_LEVEL
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import DataError
-from trainer.preflight import check_data
+from trainer.preflight.checks import check_data
 
 TEXT = "".join(f"Line {i}: the quality of mercy is not strained.\n" for i in range(3000))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from trainer.compose import compose
-from trainer.config import CONF_DIR, Config
+from trainer.config.compose import compose
+from trainer.config.schema import CONF_DIR, Config
 from trainer.parallel import STRATEGIES
 
 

@@ -8,8 +8,8 @@ import torch
 from dist_workers import train_and_inspect
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.compose import compose
-from trainer.config import to_dict
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
 from trainer.model import GPT, GPTConfig
 from trainer.optim import param_groups
 from trainer.parallel import strategy_class

@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from conftest import REPO, read_metrics, run_dtrain
 
-from trainer.compose import compose
-from trainer.config import batch_plan
-from trainer.validation import validate
+from trainer.config.compose import compose
+from trainer.config.schema import batch_plan
+from trainer.config.validation import validate
 
 
 def preset(name: str, *overrides: str):

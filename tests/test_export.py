@@ -21,7 +21,7 @@ from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
 from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.data import tokenizer
 from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError

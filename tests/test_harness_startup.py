@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import REPO, dtrain_env, run_dtrain
 
-from trainer.compose import compose
-from trainer.config import to_dict
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
 from trainer.data.tokenizer import cached_ranks_path
 from trainer.model import build_model
-from trainer.rundir import write_config_record
+from trainer.preflight.rundir import write_config_record
 
 harness_tasks = pytest.importorskip("lm_eval.tasks")
 

@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
 from omegaconf import OmegaConf
 
-from trainer.config import HellaswagConfig, to_dict
+from trainer.config.schema import HellaswagConfig, to_dict
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import DataError
@@ -29,7 +29,7 @@ from trainer.evals.hellaswag import (
     score_batch,
 )
 from trainer.model import GPT, GPTConfig
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
 
 SINGLE = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
 
@@ -272,9 +272,9 @@ def trained_run(data_dir, tmp_path_factory):
     for it. (10 steps already take the easy set from chance to 43/43.)"""
     from conftest import corpus_text
 
-    from trainer.compose import compose
-    from trainer.loop import Run
-    from trainer.rundir import write_config_record
+    from trainer.config.compose import compose
+    from trainer.preflight.rundir import write_config_record
+    from trainer.train.loop import Run
 
     root = tmp_path_factory.mktemp("hellaswag")
     run_dir = root / "run"

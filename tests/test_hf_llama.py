@@ -20,7 +20,7 @@ from trainer.checkpoint.hf import hf_config, read_llama_region, to_hf_state_dict
 from trainer.checkpoint.hf_llama import llama_parts
 from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.weights import model_from_run
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.errors import CheckpointError, ConfigError
 from trainer.model import build_model
 

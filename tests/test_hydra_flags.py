@@ -14,7 +14,7 @@ from conftest import read_metrics, run_dtrain, tiny_args
 from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
-from trainer.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
+from trainer.config.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
 
 PRESET = """\
 # @package _global_

@@ -20,12 +20,12 @@ from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.checkpoint.weights import model_from_run
 from trainer.commands.export import export
-from trainer.compose import compose
+from trainer.config.compose import compose
+from trainer.config.validation import validate
 from trainer.errors import ConfigError, UserError
 from trainer.model import build_model
 from trainer.parallel import make_strategy
-from trainer.runtime import Runtime
-from trainer.validation import validate
+from trainer.process.runtime import Runtime
 
 VOCAB = 50257
 

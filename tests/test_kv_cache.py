@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.model import build_model
 from trainer.model.decode import Sampling, generate, next_tokens
 from trainer.model.kv_cache import KVCache

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS, REPO, dtrain_env, read_metrics, tiny_args
 
-from trainer.joblog import JOB_LOG_ENV, LOG, RANK_LINES_ENV, job_log
-from trainer.metrics import ProgressView
+from trainer.observe.metrics import ProgressView
+from trainer.process.joblog import JOB_LOG_ENV, LOG, RANK_LINES_ENV, job_log
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| lr \d\.\d\de-\d\d \| [\d,]+ tok/s"
                        r"(?: \| mfu [\d.]+%)? \| eta (?:-|\d+:\d\d:\d\d)$")

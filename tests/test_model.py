@@ -23,7 +23,7 @@ def test_gpt2_124m_parameter_count_and_hf_names():
 
 
 def test_gpt2_shapes_of_the_model_group():
-    from trainer.compose import compose
+    from trainer.config.compose import compose
 
     expected = {"gpt2_124m": 124_439_808, "gpt2_350m": 354_823_168, "gpt2_774m": 774_030_080,
                 "gpt2_1558m": 1_557_611_200}

@@ -30,12 +30,12 @@ from test_checkpoint import kill_group, logged_steps, loss_records, past_a_check
 from test_signals import STOP_LINE, finish, logged, wait_for
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
-from trainer.compose import compose
-from trainer.memory import estimate
+from trainer.config.compose import compose
 from trainer.model import build_model
 from trainer.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
 from trainer.optim import build_optimizer, parts, split_params
 from trainer.parallel.muon import assign_owners
+from trainer.plan.memory import estimate
 
 STEPS, INTERVAL = REFERENCE_STEPS, 4  # MUON_BATCH saves a checkpoint every 4 steps
 CASES = {

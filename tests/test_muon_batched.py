@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.model import build_model
 from trainer.muon import NS_COEFFICIENTS, BatchedMuon, lr_ratio
 from trainer.optim import build_optimizer, muon_parts, parts, split_params

@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from trainer.rendezvous import LOOPBACK_BACKEND, NODES_BACKEND
+from trainer.launch.rendezvous import LOOPBACK_BACKEND, NODES_BACKEND
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 

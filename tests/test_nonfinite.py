@@ -17,13 +17,13 @@ from trainer.checkpoint.finite import nonfinite_tensors
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
-from trainer.config import batch_plan, from_dict
+from trainer.config.schema import batch_plan, from_dict
 from trainer.errors import NonFiniteError
-from trainer.loop import TrainState
-from trainer.metrics import MetricsLogger
 from trainer.model import build_model
+from trainer.observe.metrics import MetricsLogger
 from trainer.parallel import make_strategy
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
+from trainer.train.loop import TrainState
 
 
 def _no_constants(token: str):

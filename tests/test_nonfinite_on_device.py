@@ -1,4 +1,4 @@
-"""train.on_nonfinite with the update masked on device (trainer/nonfinite.py): where every optimizer
+"""train.on_nonfinite with the update masked on device (trainer/train/nonfinite.py): where every optimizer
 takes found_inf (fused AdamW, Muon), the update is queued under the device-side verdict and the host
 reads it afterwards. The guarantees are those of the host read first (tests/test_nonfinite.py):
 skip makes no update (weights, optimizer state, AdamW's step count), every rank agrees, stop saves
@@ -14,7 +14,7 @@ import torch
 from conftest import run_dtrain, tiny_args
 from test_nonfinite import assert_finite_checkpoints, error_lines, inject, steps_of, strict_metrics
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.model import build_model
 from trainer.optim import build_optimizer, masks_on_device
 

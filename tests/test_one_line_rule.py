@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import dtrain_env, run_dtrain, tiny_args
 
-from trainer.compose import compose
+from trainer.config.compose import compose
+from trainer.config.validation import validate
 from trainer.data.prepare import _locked
 from trainer.errors import ConfigError
 from trainer.evals.hub import OFFLINE_VARS, hub_unreachable
-from trainer.validation import validate
 
 
 def error_line(proc) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.compose import compose
+from trainer.config.compose import compose
+from trainer.config.validation import validate
 from trainer.errors import ConfigError
 from trainer.optim import adamw_kwargs
-from trainer.validation import validate
 
 
 @pytest.mark.parametrize(("typed", "fused"), [("true", True), ("'true'", True), ("false", False),

@@ -20,8 +20,8 @@ from test_rundir import snapshot
 
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.cli import main
-from trainer.config import to_dict
-from trainer.rundir import write_config_record
+from trainer.config.schema import to_dict
+from trainer.preflight.rundir import write_config_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from conftest import REPO, dtrain_env, run_dtrain
 
-from trainer.compose import compose
-from trainer.config import to_dict
-from trainer.memory import estimate, largest_micro_batch, parse_size
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
+from trainer.plan.memory import estimate, largest_micro_batch, parse_size
 
 # Two model sizes whose peaks differ in make-up: tiny (3.3M params, nearly all embedding; the
 # language-model head's activations dominate) and an 8-layer 128-wide model (blocks count too).
@@ -28,7 +28,7 @@ MEASURE = """
 import json, sys
 from pathlib import Path
 from scripts.benchmarks.workers import peak_worker
-from trainer.launch import run_workers
+from trainer.launch.workers import run_workers
 if __name__ == "__main__":
     cfg, world, run_dir = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     print("RESULT", json.dumps(run_workers(peak_worker, (cfg, 3), cfg["launch"], world, Path(run_dir) / "logs",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import dtrain_env, run_dtrain
 
-from trainer.compose import compose
-from trainer.memory import estimate
+from trainer.config.compose import compose
+from trainer.plan.memory import estimate
 
 GiB = 1024**3
 GPT2_32 = ["model=gpt2_124m", "model.pad_vocab_multiple=64", "train.micro_batch_size=32", "train.seq_len=1024"]

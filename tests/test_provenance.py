@@ -10,7 +10,7 @@ import torch
 from conftest import MODE_RUNS, REFERENCE_BATCH, REPO, read_metrics
 
 import trainer
-from trainer.provenance import describe, git_commit
+from trainer.observe.provenance import describe, git_commit
 
 
 def test_the_summary_names_what_ran(shared_run):

@@ -15,8 +15,8 @@ from conftest import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
 from omegaconf import OmegaConf
 from test_checkpoint import same_weights
 
-from trainer.compose import compose
-from trainer.config_keys import OPERATIONAL, TRAJECTORY, _matches, key_kind
+from trainer.config.compose import compose
+from trainer.config.keys import OPERATIONAL, TRAJECTORY, _matches, key_kind
 from trainer.io import dotted_keys
 
 
@@ -101,7 +101,7 @@ def test_a_crashed_run_without_a_checkpoint_is_continued_by_the_same_command(dat
 
 
 def test_every_schema_key_is_trajectory_or_operational_once():
-    """trainer/config_keys.py classifies every key of the schema (with every optional block filled
+    """trainer/config/keys.py classifies every key of the schema (with every optional block filled
     in), so none is left to chance when a run continues."""
     config = OmegaConf.to_container(compose(["optim=muon"]), resolve=True)
     keys = dotted_keys(config)

@@ -1,4 +1,4 @@
-"""Seeds as a result (trainer/stats.py): runs that differ only in train.seed form a group; the
+"""Seeds as a result (trainer/observe/stats.py): runs that differ only in train.seed form a group; the
 sweep's table, `dtrain report` and its report.json give per group and figure n, mean, sd and a 95%
 CI, and between groups the difference, its Welch 95% CI and p-value. The statistics are checked on
 fixed numbers against values computed another way, and a 2 x 3 sweep of the tiny model against a
@@ -16,10 +16,10 @@ import pytest
 from conftest import read_metrics, run_dtrain
 from test_sweep import sweep_args
 
-from trainer.compose import expand_seeds
+from trainer.config.compose import expand_seeds
 from trainer.errors import UserError
-from trainer.results import identity
-from trainer.stats import INSTALL_HINT, analyse, find_group, group_runs, seed_statistics, summarize, welch
+from trainer.observe.results import identity
+from trainer.observe.stats import INSTALL_HINT, analyse, find_group, group_runs, seed_statistics, summarize, welch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -23,12 +23,12 @@ from conftest import REPO, dtrain_env, run_dtrain, tiny_args
 from helpers import ONE_CPU_PROCESS
 
 from trainer.checkpoint.finite import module_state_bytes, state_bytes
-from trainer.compose import compose
-from trainer.config import to_dict
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
 from trainer.evals import task_data
 from trainer.model import build_model
 from trainer.parallel import STRATEGIES, make_strategy, strategy_class
-from trainer.rundir import write_config_record
+from trainer.preflight.rundir import write_config_record
 
 DCP = "torch.distributed.checkpoint"
 OTHER_MODES = [f"trainer.parallel.{name}" for name in ("ddp", "dp", "fsdp", "zero", "zero_torch")]
@@ -87,9 +87,9 @@ def test_the_one_process_run_path_imports_no_checkpoint_or_other_mode(tmp_path):
     (the memory plan's meta model included), parallel=none's Strategy. Neither DCP, nor another mode's
     module, nor torch._dynamo (the optimizer imports that one later, see docs/performance.md)."""
     env, log = watched_env(tmp_path, [DCP, "torch.distributed.tensor", "torch._dynamo", *OTHER_MODES])
-    code = ("import trainer.worker, trainer.commands.train\n"
-            "from trainer.compose import compose\n"
-            "from trainer.memory import checkpoint_bytes\n"
+    code = ("import trainer.train.worker, trainer.commands.train\n"
+            "from trainer.config.compose import compose\n"
+            "from trainer.plan.memory import checkpoint_bytes\n"
             "from trainer.parallel import strategy_class\n"
             "assert strategy_class('none').name == 'none'\n"
             "checkpoint_bytes(compose(['model=tiny']))\n")

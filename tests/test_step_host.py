@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from conftest import tiny_args
 
-from trainer.compose import compose
-from trainer.loop import Run
-from trainer.runtime import Runtime
+from trainer.config.compose import compose
+from trainer.process.runtime import Runtime
+from trainer.train.loop import Run
 
 
 def test_train_mode_is_set_only_after_an_evaluation(data_dir, tmp_path):

@@ -20,9 +20,9 @@ from test_checkpoint import start_dtrain, wait_for
 from test_signals import alive, finish, logged
 
 from trainer.io import flock_held
-from trainer.results import STATUS_FILE, labels, live_status
-from trainer.rundir import RunDirLock
-from trainer.sweep import SUMMARY_FILE, identity
+from trainer.launch.sweep import SUMMARY_FILE, identity
+from trainer.observe.results import STATUS_FILE, labels, live_status
+from trainer.preflight.rundir import RunDirLock
 
 
 def sweep_args(data_dir: Path, *extra: str) -> list[str]:

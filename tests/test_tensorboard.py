@@ -41,8 +41,8 @@ def test_tensorboard_logger_writes_the_metrics_as_scalars(data_dir, tmp_path):
 
 
 def test_a_resumed_logger_drops_events_past_the_resumed_step(tmp_path):
-    from trainer.metrics import MetricsLogger
-    from trainer.trackers import TensorBoardSink
+    from trainer.observe.metrics import MetricsLogger
+    from trainer.observe.trackers import TensorBoardSink
 
     first = MetricsLogger(tmp_path, enabled=True, sinks=[TensorBoardSink(tmp_path)])
     for step in range(1, 7):

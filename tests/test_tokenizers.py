@@ -15,7 +15,7 @@ import torch
 from conftest import TINYSHAKESPEARE, corpus_text, dtrain_env, read_metrics, run_dtrain
 from test_cli_errors import assert_user_error
 
-from trainer.compose import compose
+from trainer.config.compose import compose
 from trainer.data.layout import dataset_dir
 from trainer.data.tokenizers import load_tokenizer, shard_dtype
 

@@ -68,7 +68,7 @@ atexit.register(_report)
 @pytest.mark.slow
 def test_the_command_and_its_workers_leave_without_a_final_collection(data_dir, tmp_path):
     """The console script and each worker freeze their objects before they exit (trainer.cli.run,
-    trainer.launch.worker_process), which spares them the interpreter's last collections over all
+    trainer.launch.workers.worker_process), which spares them the interpreter's last collections over all
     of torch (~0.3 s a process); counted at exit by a sitecustomize in every process."""
     hook, exits = tmp_path / "hook", tmp_path / "exits.txt"
     hook.mkdir()

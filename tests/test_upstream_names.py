@@ -1,6 +1,6 @@
 """The private names dtrain still uses from its dependencies (issue 34 item 7), one test each, so an
 upgrade that renames or removes one fails here, naming it, instead of somewhere in a run. Each is
-used in one module only, with the reason there; Hydra's are gone (trainer/compose.py and
+used in one module only, with the reason there; Hydra's are gone (trainer/config/compose.py and
 trainer/commands/train.py use hydra.main, hydra.compose and the override parser only).
 
 Each name, where it is used, and why no public API serves:

@@ -17,17 +17,17 @@ from conftest import REPO, dtrain_env, run_dtrain, tiny_args
 from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
-from trainer.compose import compose
-from trainer.config import to_dict
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
+from trainer.config.validation import RANGES, check_ranges, validate
+from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
+from trainer.io import write_errors_as_user_errors
 from trainer.model import build_model
 from trainer.parallel import STRATEGIES, make_strategy
-from trainer.rundir import write_config_record
-from trainer.runtime import Runtime
-from trainer.validation import RANGES, check_ranges, validate
-from trainer.vocab import TOKENIZER_VOCAB_SIZE
-from trainer.writable import write_errors_as_user_errors
+from trainer.preflight.rundir import write_config_record
+from trainer.process.runtime import Runtime
 
 
 def args_with(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
@@ -237,7 +237,7 @@ from pathlib import Path
 from trainer.cli import fail
 from trainer.commands.train import run_app
 from trainer.errors import UserError
-from trainer.writable import write_errors_as_user_errors
+from trainer.io import write_errors_as_user_errors
 
 run_dir = Path(sys.argv[1])
 try:

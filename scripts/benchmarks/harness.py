@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import from_dict
-from trainer.loop import Run, StepLog
-from trainer.metrics import MetricsLogger, ProgressView
+from trainer.config.schema import from_dict
+from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.parallel import strategy_class
-from trainer.runtime import init_runtime
+from trainer.process.runtime import init_runtime
+from trainer.train.loop import Run, StepLog
 
 
 def on_every_rank(cfg_dict: dict, measure: Callable[..., dict], *args) -> list[dict]:

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from trainer.loop import Run, StepLog
 from trainer.model import build_model
 from trainer.optim import lr_at, set_lr
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
+from trainer.train.loop import Run, StepLog
 
 from .harness import on_every_rank, step_bookkeeping, sync
 from .memory import PeakMemory, optimizer_state_tensors, state_tensors_per_parameter, tensor_bytes

@@ -10,7 +10,7 @@ Layout of one run directory:
                               the global batch and its parts, the data's and tokenizer's identity
         config.json           the resolved config of the run that wrote it
         COMPLETE              the completion marker, written last: every other file's size and
-                              checksum ("crc32:<hex>"), verified before any load
+                              checksum ("xxh3_128:<hex>"; integrity.py), verified before any load
       .tmp_step_000016/       a save in progress (ignored and removed on the next start)
       corrupt_step_000015/    a checkpoint that failed verification, set aside by resume=auto
                               (kept for inspection, never resumed, never deleted by retention)
@@ -37,6 +37,15 @@ torch-free for the run-directory checks that run before torch is imported):
     rng       every rank's RNG states as JSON
     manager   the Checkpointer: save, restore, retention and async saves during training
     weights   a checkpoint's (or a state_dict file's) weights in a plain model: eval, sample, export
+    finite    whether a state's tensors are all finite (before a save; after a weights read)
+    space     room for the next checkpoint, checked before the work is lost (standard library)
+    deferred  torch.distributed.checkpoint, imported at the first save, restore or weights read
+    init_source  what model.init_from names, checked before anything is written (standard library)
+    init_from    a new run's first weights from a Hugging Face folder or a dtrain checkpoint
+    hf        Hugging Face GPT-2 names and layouts <-> ours (export and init_from)
+    hf_llama  the same for Llama and Qwen3
+
+Whether a continuation may go on from a checkpoint is a preflight check: trainer/preflight/continuation.py.
 
 torch.distributed.checkpoint itself (with DTensor and sympy under it, about 0.7 s) is imported at
 the first save or restore, where it is used (manager, selection, weights, init_from): a run that

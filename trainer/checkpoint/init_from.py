@@ -33,7 +33,7 @@ from trainer.checkpoint.layout import CHECKPOINT_DIR
 from trainer.checkpoint.selection import check_explicit, newest_intact
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
-from trainer.joblog import say
+from trainer.process.joblog import say
 
 
 def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:

@@ -22,10 +22,10 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.hf_llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_step, is_complete, resolve_checkpoint
-from trainer.config import CONF_DIR, ModelConfig
+from trainer.config.schema import CONF_DIR, ModelConfig
+from trainer.config.shape import mlp_width
 from trainer.errors import CheckpointError, ConfigError
-from trainer.shape import mlp_width
-from trainer.writable import not_a_folder
+from trainer.io import not_a_folder
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"  # trainer.checkpoint.hf.WEIGHTS_FILE (that module needs torch)

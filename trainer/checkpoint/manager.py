@@ -38,12 +38,12 @@ from trainer.checkpoint.layout import (
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
-from trainer.config import to_dict
+from trainer.config.schema import to_dict
 from trainer.data.identity import recorded_identity
-from trainer.env import restart_count
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
-from trainer.joblog import say
+from trainer.process.env import restart_count
+from trainer.process.joblog import say
 
 
 def _json_float(value: float) -> float | None:
@@ -149,7 +149,7 @@ class Checkpointer:
         best, last = saved.get("best_val_loss"), saved.get("last_loss")
         state.best_val_loss = math.inf if best is None else float(best)
         state.last_loss = math.nan if last is None else float(last)
-        state.train_s, state.target = float(saved.get("train_s", 0.0)), saved.get("target")  # trainer/target.py
+        state.train_s, state.target = float(saved.get("train_s", 0.0)), saved.get("target")  # trainer/train/target.py
         state.excluded_s = dict(saved.get("excluded_s") or {})
         rank = self.rt.rank
         loaders, rngs = saved["loaders"], saved["rng"]
@@ -245,7 +245,7 @@ class Checkpointer:
                 "train_s": s.train_s, "excluded_s": s.excluded_s, "target": s.target,  # over every session
                 "world": self.rt.world,
                 "parallel": self.cfg.parallel.mode,
-                # what a continuation must keep (trainer/checkpoint/continuation.py)
+                # what a continuation must keep (trainer/preflight/continuation.py)
                 "total_batch_size": run.plan.total_batch_size,
                 "micro_batch_size": run.plan.micro_batch_size,
                 "seq_len": run.plan.seq_len,

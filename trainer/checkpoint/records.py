@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trainer.checkpoint.integrity import CorruptCheckpoint, verify_checkpoint_files
 from trainer.checkpoint.layout import CONFIG_FILE, FORMAT_VERSION, MARKER, METADATA_FILE, STATE_FILE, marked_checkpoints
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.errors import CheckpointError
 from trainer.io import first_line
 

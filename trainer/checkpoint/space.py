@@ -25,7 +25,7 @@ from trainer.checkpoint.layout import (
     list_checkpoints,
 )
 from trainer.errors import CheckpointError
-from trainer.writable import nearest_existing
+from trainer.io import nearest_existing
 
 # Beyond the tensors: the JSON files, the marker and DCP's index (a few KiB for a small model).
 MARGIN_BYTES = 1 << 20

@@ -21,7 +21,7 @@ from trainer.checkpoint.layout import MARKER, METADATA_FILE
 from trainer.checkpoint.records import check_format, check_model_config, read_checkpoint_config, read_trainer_state
 from trainer.errors import CheckpointError
 from trainer.io import first_line
-from trainer.joblog import say
+from trainer.process.joblog import say
 
 # DCP reports a failure on any rank as CheckpointException, a BaseException.
 DCP_ERRORS = (Exception, CheckpointException)

@@ -23,7 +23,7 @@ from trainer.checkpoint.layout import (
 )
 from trainer.checkpoint.records import read_checkpoint_config
 from trainer.checkpoint.selection import newest_intact
-from trainer.config import from_dict
+from trainer.config.schema import from_dict
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
 from trainer.model import build_model

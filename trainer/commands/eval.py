@@ -37,30 +37,29 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from trainer.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.checkpoint.weights import checkpoint_at_step, eval_weights_path, load_weights, weights_step
 from trainer.commands.eval_harness import check_results_folder, harness_eval
-from trainer.config import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
-from trainer.env import under_torchrun
+from trainer.config.args import ArgParser, folder_to_write, non_negative_int, positive
+from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
+from trainer.config.validation import check_ranges
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
-from trainer.io import write_atomic
-from trainer.launch import run_workers
-from trainer.metrics import summary_table
+from trainer.io import not_a_folder, write_atomic, write_errors_as_user_errors
+from trainer.launch.workers import run_workers
 from trainer.model import build_model
+from trainer.observe.metrics import summary_table
+from trainer.observe.results import HARNESS_FILE, HELLASWAG_RESULT_FILE
 from trainer.parallel import make_strategy, strategy_class
-from trainer.results import HARNESS_FILE, HELLASWAG_RESULT_FILE
-from trainer.rundir import read_config_record
-from trainer.runtime import init_runtime
-from trainer.validation import check_ranges
-from trainer.writable import not_a_folder, write_errors_as_user_errors
+from trainer.preflight.rundir import read_config_record
+from trainer.process.env import under_torchrun
+from trainer.process.runtime import init_runtime
 
 RESULT_FILE = HELLASWAG_RESULT_FILE
 HARNESS_FLAGS = ("include_path", "num_fewshot", "batch_size", "device", "bootstrap_iters", "log_samples")
 
 
 def cmd_eval(argv: list[str]) -> dict:
-    """Score the run's weights; a worker that crashes raises trainer.launch.WorkerFailed (its
+    """Score the run's weights; a worker that crashes raises trainer.launch.workers.WorkerFailed (its
     report, traceback included), a user error in a worker raises UserError."""
     parser = _parser()
     args = parser.parse_args(argv)

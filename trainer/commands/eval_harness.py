@@ -38,19 +38,18 @@ from trainer.checkpoint.weights import (
     model_from_run,
     weights_step,
 )
-from trainer.config import LaunchConfig, from_dict, to_dict
+from trainer.config.schema import LaunchConfig, from_dict, to_dict
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, UserError
 from trainer.evals.hub import hub_unreachable
 from trainer.evals.shards import Shards
 from trainer.evals.task_data import not_cached, uncached_data
-from trainer.io import write_atomic
-from trainer.launch import run_workers
+from trainer.io import check_writable_dir, not_a_folder, write_atomic, write_errors_as_user_errors
+from trainer.launch.workers import run_workers
 from trainer.model import build_model
-from trainer.results import HARNESS_FILE, harness_table, table_console
-from trainer.rundir import read_config_record
-from trainer.runtime import init_runtime
-from trainer.writable import check_writable_dir, not_a_folder, write_errors_as_user_errors
+from trainer.observe.results import HARNESS_FILE, harness_table, table_console
+from trainer.preflight.rundir import read_config_record
+from trainer.process.runtime import init_runtime
 
 INSTALL = "pip install 'dtrain[harness]'"
 DEFAULT_BATCH_SIZE = 8

@@ -31,16 +31,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.args import ArgParser, folder_to_write, non_negative_int
 from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.checkpoint.hf_llama import export_family
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.weights import model_from_run
+from trainer.config.args import ArgParser, folder_to_write, non_negative_int
 from trainer.data.hf_tokenizer import write_hf_tokenizer
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
-from trainer.io import new_file_mode, write_atomic
-from trainer.writable import check_room, check_writable_dir, write_errors_as_user_errors
+from trainer.io import check_room, check_writable_dir, new_file_mode, write_atomic, write_errors_as_user_errors
 
 OUT_FIX = "choose another --out DIR"
 # safetensors' header: a JSON entry per tensor (name, dtype, shape, offsets), under 200 bytes for our names

@@ -3,7 +3,7 @@
     dtrain plan model=gpt2_124m parallel=fsdp world=8 train.micro_batch_size=16 --device-memory 80GiB
     dtrain plan --device cuda model=gpt2_124m train.compile=true      # a GPU run, planned from any host
 
-The estimate (trainer/memory.py) is for the config the overrides compose (train.compile,
+The estimate (trainer/plan/memory.py) is for the config the overrides compose (train.compile,
 train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked.
 --device picks the device the run will use (default: train.device, where auto is this host's).
 Without --device-memory the budget is the visible GPU's memory (an 80 GiB H100's when planning
@@ -18,14 +18,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainer.args import ArgParser
-from trainer.compose import compose
-from trainer.config import requested_world
-from trainer.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size
+from trainer.config.args import ArgParser
+from trainer.config.compose import compose
+from trainer.config.schema import requested_world
+from trainer.config.validation import validate
 from trainer.model import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
-from trainer.validation import validate
+from trainer.plan.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size
 
 _SIZE_MISSING = object()  # --device-memory given without a size
 ASSUMED_GPU_MEMORY = 80 * 1024**3  # --device cuda on a host without a GPU: an H100's 80 GiB

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from trainer.args import ArgParser
-from trainer.compose import compose
+from trainer.config.args import ArgParser
+from trainer.config.compose import compose
+from trainer.config.validation import check_ranges
 from trainer.data.prepare import is_prepared, prepare
-from trainer.validation import check_ranges
 
 
 def cmd_prepare(argv: list[str]) -> None:

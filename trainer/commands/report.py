@@ -30,12 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.args import ArgParser, folder_to_write
 from trainer.checkpoint.layout import enclosing_checkpoint
+from trainer.config.args import ArgParser, folder_to_write
 from trainer.errors import UserError
-from trainer.io import new_file_mode, write_atomic
-from trainer.metrics import METRICS_FILE, read_metrics
-from trainer.results import (
+from trainer.io import (
+    check_room,
+    check_writable_dir,
+    new_file_mode,
+    not_a_folder,
+    write_atomic,
+    write_errors_as_user_errors,
+)
+from trainer.observe.metrics import METRICS_FILE, read_metrics
+from trainer.observe.results import (
     STATUS_FILE,
     finite_or_none,
     harness_table,
@@ -49,8 +56,7 @@ from trainer.results import (
     run_figures,
     table_console,
 )
-from trainer.stats import SEED_KEY, seed_statistics, without_seed
-from trainer.writable import check_room, check_writable_dir, not_a_folder, write_errors_as_user_errors
+from trainer.observe.stats import SEED_KEY, seed_statistics, without_seed
 
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.args import ArgParser, non_negative_float, non_negative_int, probability, whole_number_in
 from trainer.checkpoint.weights import model_from_run
-from trainer.config import MAX_SAMPLE_TOKENS, MAX_SEED
+from trainer.config.args import ArgParser, non_negative_float, non_negative_int, probability, whole_number_in
+from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
-from trainer.generate import generate_text
-from trainer.runtime import pick_device
+from trainer.evals.generate import generate_text
+from trainer.process.runtime import pick_device
 
 
 def cmd_sample(argv: list[str]) -> None:

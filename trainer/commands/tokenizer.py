@@ -20,14 +20,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.args import ArgParser, folder_to_write
-from trainer.compose import compose
+from trainer.config.args import ArgParser, folder_to_write
+from trainer.config.compose import compose
+from trainer.config.validation import check_ranges
 from trainer.data import sources
 from trainer.data.prepare import as_data_cfg
 from trainer.data.tokenizers import HF_EXTRA, TOKENIZER_FILE, load_tokenizer
 from trainer.errors import UserError
-from trainer.validation import check_ranges
-from trainer.writable import check_writable_dir
+from trainer.io import check_writable_dir
 
 EOT_TOKEN = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and the end-of-text token

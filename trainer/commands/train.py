@@ -5,7 +5,7 @@ Everything goes through Hydra's public entry point, `hydra.main`, so Hydra's own
 Before it runs, the same flags and overrides are composed with Hydra's public compose API and every
 check passes (config, run directory, data, tokenizer, the mode's worker count): only then does
 `hydra.main` make the run directory, its `.hydra/` record and dtrain.log, and call `train_job`. A
-sweep checks every point the same way first; `trainer.sweep` keeps each point's status.
+sweep checks every point the same way first; `trainer.launch.sweep` keeps each point's status.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
-from trainer.compose import (
+from trainer.config.compose import (
     anchor_paths,
     compose,
     config_source,
@@ -37,14 +37,14 @@ from trainer.compose import (
     split_args,
     sweep_points,
 )
-from trainer.config import requested_world, to_dict
-from trainer.config_keys import apply_renamed_keys
-from trainer.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
-from trainer.preflight import check_data, check_run, preflight, record_config
-from trainer.rundir import RunDirLock, RunDirState, finished_message
-from trainer.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
-from trainer.validation import validate
-from trainer.writable import folder_setting, write_errors_as_user_errors
+from trainer.config.keys import apply_renamed_keys
+from trainer.config.schema import requested_world, to_dict
+from trainer.config.validation import validate
+from trainer.io import folder_setting, write_errors_as_user_errors
+from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
+from trainer.preflight.checks import check_data, check_run, preflight, record_config
+from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
+from trainer.process.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
 # broadcast when the process group is up. The other ranks run Hydra in a scratch folder, silently.
@@ -195,8 +195,8 @@ def _scratch_dir() -> str:
 def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
     """The checks that need torch (mode, device, resume's model, tracker credentials, room for a
     fresh run's first checkpoint in `run_dir`), still before anything is written."""
-    # trainer.launch_checks imports torch: only once the checks that need no torch have passed
-    from trainer.launch_checks import check_launch as check_with_torch
+    # trainer.preflight.torch_checks imports torch: only once the checks that need no torch have passed
+    from trainer.preflight.torch_checks import check_launch as check_with_torch
 
     check_with_torch(cfg, world, run_dir)
 
@@ -216,8 +216,8 @@ def run_training(cfg, run_dir: Path, checked: bool, lock: RunDirLock | None = No
     this process already checked and claimed the run directory (a single run does so before
     Hydra writes anything); a sweep point is checked here, under `lock` (its sweep holds it)."""
     # the torch side of dtrain: imported once the checks have passed
-    from trainer.launch import run_workers
-    from trainer.worker import worker_main
+    from trainer.launch.workers import run_workers
+    from trainer.train.worker import worker_main
 
     world = requested_world(cfg)
     cfg_dict = to_dict(cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.validation import check_dataset_name
-from trainer.vocab import tokenizer_tag
+from trainer.config.validation import check_dataset_name
+from trainer.config.vocab import tokenizer_tag
 
 MANIFEST = "manifest.json"  # written last; its presence is what makes a dataset valid
 FORMAT = 1

@@ -41,7 +41,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from trainer.config import DataConfig
+from trainer.config.schema import DataConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPES, FORMAT, MANIFEST, dataset_dir
@@ -56,8 +56,7 @@ from trainer.data.shard_writer import StreamWriter, split_stream
 from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
 from trainer.data.tokenizers import load_tokenizer, shard_dtype
 from trainer.errors import DataError
-from trainer.io import sha256_file
-from trainer.writable import check_writable_dir, first_missing, write_errors_as_user_errors
+from trainer.io import check_writable_dir, first_missing, sha256_file, write_errors_as_user_errors
 
 # ------------------------------------------------------------------------------------- config
 

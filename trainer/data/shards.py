@@ -13,7 +13,7 @@ from trainer.data.layout import DTYPES, MANIFEST, dataset_dir
 from trainer.data.manifest import format_problem, schema_problem
 from trainer.data.prepare import as_data_cfg, prepare_command, refuse_foreign_tokenizer
 from trainer.errors import DataError
-from trainer.writable import nearest_existing
+from trainer.io import nearest_existing
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this

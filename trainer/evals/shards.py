@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
 
 Batch = TypeVar("Batch")
 Item = TypeVar("Item")

@@ -11,7 +11,7 @@ import torch.nn as nn
 from trainer.errors import ConfigError
 from trainer.model import GPT
 from trainer.optim import build_optimizer, parts, verdict
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
 
 
 class Strategy:

@@ -9,8 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.env import restart_count
 from trainer.errors import ConfigError, UserError
+from trainer.process.env import restart_count
 
 
 @dataclass

@@ -9,7 +9,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from trainer.config import (
+from trainer.config.schema import (
     COMPILE_MODES,
     DTYPES,
     GROUP_SCHEMAS,
@@ -31,11 +31,11 @@ from trainer.config import (
     batch_plan,
     requested_world,
 )
-from trainer.env import launched_world
+from trainer.config.shape import parameter_count
+from trainer.config.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
-from trainer.shape import parameter_count
-from trainer.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size
+from trainer.process.env import launched_world
 
 # train.device: what the runtime picks from (a device string torch would not parse is refused here,
 # torch-free; whether a CUDA device is there is checked once torch is loaded, before anything is written).
@@ -308,7 +308,7 @@ def check_block(m: DictConfig) -> None:
 
 def check_model_size(m: DictConfig) -> None:
     """The shape's parameter count is one a machine could hold (whether this machine can is
-    trainer/launch_checks.py's check, with torch, since `dtrain plan` answers for any machine)."""
+    trainer/preflight/torch_checks.py's check, with torch, since `dtrain plan` answers for any machine)."""
     count = parameter_count(m)
     if count > MAX_PARAMETERS:
         raise ConfigError(

@@ -1,7 +1,7 @@
 """A continuation checked against what the run was, not only against its keys.
 
 Every checkpoint records what the trajectory depends on: the run's resolved config (its
-trajectory keys: trainer/config_keys.py), the global batch in tokens (and the micro batch, sequence
+trajectory keys: trainer/config/keys.py), the global batch in tokens (and the micro batch, sequence
 length, accumulation and world it came from), the data's identity and the tokenizer the manifest
 names (trainer/data/identity.py). The same command run again in the run directory (resume=auto) is
 checked against the checkpoint that resume will load: the newest one that verifies, as
@@ -20,14 +20,14 @@ from pathlib import Path
 
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
 from trainer.checkpoint.records import Resumable, newest_resumable
-from trainer.config import batch_plan, to_dict
-from trainer.config_keys import BATCH_KEYS
+from trainer.config.keys import BATCH_KEYS
+from trainer.config.schema import batch_plan, to_dict
 from trainer.data.identity import data_identity, identity_changes, tokenizer_changes, tokenizer_identity
 from trainer.data.layout import dataset_dir
 from trainer.data.prepare import as_data_cfg
 from trainer.errors import ConfigError, DataError
 from trainer.io import dotted_keys
-from trainer.rundir import CONFIG_RECORD, check_same_run, read_record, trajectory_changes
+from trainer.preflight.rundir import CONFIG_RECORD, check_same_run, read_record, trajectory_changes
 
 
 def check_continuation(cfg, run_dir: Path, world: int) -> tuple[Resumable | None, list[str]]:

@@ -34,8 +34,8 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.layout import latest_checkpoint
 from trainer.errors import ConfigError, NonFiniteError
-from trainer.joblog import say
-from trainer.runtime import Runtime
+from trainer.process.joblog import say
+from trainer.process.runtime import Runtime
 
 INJECT_ENV = "DTRAIN_INJECT_NONFINITE"
 

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.env import continue_command, under_torchrun
 from trainer.errors import Stopped
-from trainer.joblog import say
+from trainer.process.env import continue_command, under_torchrun
+from trainer.process.joblog import say
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop signals and reports a second one

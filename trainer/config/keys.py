@@ -1,4 +1,4 @@
-"""Every config key is one of two kinds, for a run directory's command run again (trainer/rundir.py):
+"""Every config key is one of two kinds, for a run directory's command run again (trainer/preflight/rundir.py):
 
 - trajectory keys decide what the model learns: the model, the data, the optimizer and its
   schedule (max_steps included), the seed, the batch arithmetic, the dtype, the non-finite policy.
@@ -36,7 +36,7 @@ TRAJECTORY = (
 
 # Trajectory keys that a continuation compares by the global batch they make, not by their values:
 # the checkpoint records that batch, and another world size keeps it with another accumulation
-# (trainer/checkpoint/continuation.py), so giving the recorded total is no change of setting.
+# (trainer/preflight/continuation.py), so giving the recorded total is no change of setting.
 BATCH_KEYS = ("train.total_batch_size", "train.grad_accum_steps")
 
 OPERATIONAL = (

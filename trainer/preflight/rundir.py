@@ -21,12 +21,11 @@ from typing import Any
 
 from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
-from trainer.config_keys import BATCH_KEYS, is_operational
-from trainer.env import restart_count
+from trainer.config.keys import BATCH_KEYS, is_operational
 from trainer.errors import UserError
-from trainer.io import dotted_keys, flock_holder, new_file_mode, one_line, write_atomic
-from trainer.metrics import METRICS_FILE, read_metrics
-from trainer.writable import check_writable_dir
+from trainer.io import check_writable_dir, dotted_keys, flock_holder, new_file_mode, one_line, write_atomic
+from trainer.observe.metrics import METRICS_FILE, read_metrics
+from trainer.process.env import restart_count
 
 CONFIG_RECORD = "resolved_config.json"
 
@@ -46,7 +45,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     whatever the directory holds. Without `config`
     nothing tells this run's leftovers from another run's, so only a checkpoint can be continued.
     A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always continues.
-    The folder must be writable (see trainer.writable.check_writable_dir).
+    The folder must be writable (see trainer.io.check_writable_dir).
     """
     check_writable_dir(run_dir, f"run directory {run_dir}", "choose another hydra.run.dir=")
     if restart_count() > 0:
@@ -77,7 +76,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
 
 
 def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | None = None) -> None:
-    """Refuse a changed trajectory key (trainer/config_keys.py); operational keys may change. A
+    """Refuse a changed trajectory key (trainer/config/keys.py); operational keys may change. A
     key in neither table (a record from another version) counts as trajectory. `source`: the file
     `recorded` was read from (the run's resolved_config.json unless a checkpoint's config.json)."""
     was, now = dotted_keys(recorded), dotted_keys(config)
@@ -111,7 +110,7 @@ def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ())
 
 def _finished(run_dir: Path, config: dict) -> bool:
     """The run logged its end-of-run summary at train.max_steps, or where it met its target
-    (trainer/target.py) unless now told to go on after it (and a checkpoint, if any, agrees)."""
+    (trainer/train/target.py) unless now told to go on after it (and a checkpoint, if any, agrees)."""
     summary = [r for r in read_metrics(run_dir / METRICS_FILE) if isinstance(r.get("summary"), dict)]
     if not summary:
         return False
@@ -183,7 +182,7 @@ class RunDirLock:
     `probe()` takes it if the directory exists (writing nothing), so a second run there is refused
     before any check reads the directory; `claim()` creates the directory if needed and takes it.
     The OS releases it when the process ends in any way. `flock_held` (trainer.io) tells from
-    outside whether a live process holds it (a sweep point's status; see trainer.results).
+    outside whether a live process holds it (a sweep point's status; see trainer.observe.results).
     """
 
     what = "run directory"  # the folder and who holds it, as the refusal names them

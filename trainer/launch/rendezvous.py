@@ -129,7 +129,7 @@ class _LoopbackRendezvous(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return True  # the workers connect to this store (trainer/runtime.py prefixes it per attempt)
+        return True  # the workers connect to this store (trainer/process/runtime.py prefixes it per attempt)
 
     def get_backend(self) -> str:
         return LOOPBACK_BACKEND
@@ -170,7 +170,7 @@ class _NodesRendezvous(RendezvousHandler):
     bound to that address (`master_listen_fd`), every other node connects to it, and the workers
     bootstrap from the same store: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's switch) keeps
     torch's handler from starting the second store, and this handler hands the endpoint to the
-    agent (use_agent_store: the workers connect as clients; trainer/runtime.py prefixes their keys
+    agent (use_agent_store: the workers connect as clients; trainer/process/runtime.py prefixes their keys
     per attempt). Only public torch API: the handler registry, `C10dRendezvousBackend`,
     `dynamic_rendezvous.create_handler`, `RendezvousHandler`.
     """

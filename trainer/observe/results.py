@@ -15,7 +15,7 @@ from rich.table import Table
 
 from trainer.errors import UserError
 from trainer.io import flock_held
-from trainer.metrics import METRICS_FILE, read_metrics
+from trainer.observe.metrics import METRICS_FILE, read_metrics
 
 STATUS_FILE = "status.json"
 HARNESS_FILE = "eval_harness.json"
@@ -84,7 +84,7 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
 
 
 def target_figures(target: Any) -> dict[str, Any]:
-    """The summary's `target` record (trainer/target.py) as figures: whether the run reached its
+    """The summary's `target` record (trainer/train/target.py) as figures: whether the run reached its
     train.target_val_loss, and the training seconds, tokens, step and FLOPs it took (None where the
     run had no target or did not reach it)."""
     target = target if isinstance(target, dict) else {}
@@ -112,7 +112,7 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
 
 def live_status(point_dir: Path) -> dict[str, Any] | None:
     """A sweep point's status as it stands now: a point recorded as running whose folder no live
-    process holds (its sweep holds it while the point runs: trainer.sweep.run_point) was killed
+    process holds (its sweep holds it while the point runs: trainer.launch.sweep.run_point) was killed
     without a word (kill -9, the out-of-memory killer, a lost node), whatever the file says."""
     status = read_status(point_dir)
     if status is None or status.get("status") != "running" or flock_held(point_dir):

@@ -22,13 +22,13 @@ from rich.console import Console
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from trainer.checkpoint.records import check_model_config, read_checkpoint_config
 from trainer.checkpoint.space import check_space_for_first_checkpoint
-from trainer.config import tracker_names
+from trainer.config.schema import tracker_names
+from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.io import one_line
-from trainer.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
 from trainer.parallel import strategy_class
-from trainer.runtime import pick_device
-from trainer.shape import parameter_count
+from trainer.plan.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
+from trainer.process.runtime import pick_device
 
 # What keeps the optimizer state, by optim.name (for the line of a model that does not fit).
 OPTIMIZER_STATE = {"adamw": "AdamW", "muon": "Muon and AdamW"}

@@ -9,21 +9,21 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.checkpoint.continuation import check_continuation, check_same_data
 from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
-from trainer.config import batch_plan, to_dict, tracker_names
+from trainer.config.schema import batch_plan, to_dict, tracker_names
+from trainer.config.validation import validate
 from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import dataset_dir
 from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizers import load_tokenizer
-from trainer.env import restart_count
 from trainer.errors import DataError
-from trainer.metrics import require_tracker
-from trainer.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
-from trainer.validation import validate
+from trainer.observe.metrics import require_tracker
+from trainer.preflight.continuation import check_continuation, check_same_data
+from trainer.preflight.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
+from trainer.process.env import restart_count
 
 
 def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) -> RunDirState:
@@ -62,7 +62,7 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     no download."""
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
-    # validation reads at least one micro batch per rank (trainer.loop's val loader)
+    # validation reads at least one micro batch per rank (trainer.train.loop's val loader)
     val_need = plan.micro_batch_size * plan.seq_len * world + 1 if _validates(cfg) else 0
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)

@@ -28,12 +28,11 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
-from trainer.compose import compose, config_source, split_args, sweep_points
-from trainer.env import under_torchrun
+from trainer.config.compose import compose, config_source, split_args, sweep_points
 from trainer.errors import Stopped, UserError
-from trainer.io import write_atomic
-from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
-from trainer.results import (
+from trainer.io import check_writable_dir, folder_setting, write_atomic
+from trainer.observe.metrics import METRICS_FILE, TENSORBOARD_DIR
+from trainer.observe.results import (
     STATUS_FILE,
     STATUS_STYLE,
     finite_or_none,
@@ -46,9 +45,9 @@ from trainer.results import (
     run_figures,
     table_console,
 )
-from trainer.rundir import RunDirLock
-from trainer.stats import seed_statistics
-from trainer.writable import check_writable_dir, folder_setting
+from trainer.observe.stats import seed_statistics
+from trainer.preflight.rundir import RunDirLock
+from trainer.process.env import under_torchrun
 
 SUMMARY_FILE = "summary.jsonl"
 ERROR_FILE = "error.txt"
@@ -127,7 +126,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[RunDirLock | None], dict]) -> fl
     trains under that lock."""
     point = _Point(hydra_cfg)
     lock = RunDirLock(point.dir)
-    # Under plain torchrun every rank runs the sweep: rank 0's worker holds each point (trainer.worker).
+    # Under plain torchrun every rank runs the sweep: rank 0's worker holds each point (trainer.train.worker).
     locking = not under_torchrun()
     if locking:
         try:

@@ -13,25 +13,25 @@ import torch
 from rich.markup import escape
 
 from trainer.checkpoint.init_from import start_from_weights
-from trainer.config import BatchPlan, batch_plan
+from trainer.config.schema import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.shards import open_split, redo_command
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
+from trainer.evals.generate import generate_text
 from trainer.evals.hellaswag import HellaSwagEval
-from trainer.generate import generate_text
-from trainer.joblog import job_log
-from trainer.metrics import MetricsLogger, ProgressView
 from trainer.model import build_model
-from trainer.nonfinite import NonFiniteGuard
+from trainer.observe.metrics import MetricsLogger, ProgressView
+from trainer.observe.provenance import describe, what_ran
+from trainer.observe.trackers import open_trackers
 from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
 from trainer.parallel import make_strategy
-from trainer.provenance import describe, what_ran
-from trainer.runtime import Runtime
-from trainer.signals import at_step_boundary
-from trainer.steplog import StepLog
-from trainer.target import TargetWatch, describe_target
-from trainer.trackers import open_trackers
+from trainer.process.joblog import job_log
+from trainer.process.runtime import Runtime
+from trainer.process.signals import at_step_boundary
+from trainer.train.nonfinite import NonFiniteGuard
+from trainer.train.steplog import StepLog
+from trainer.train.target import TargetWatch, describe_target
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TrainState:
     last_loss: float = math.nan
     train_s: float = 0.0  # seconds in training steps (StepLog), all sessions
     excluded_s: dict = field(default_factory=dict)  # the other seconds, by kind: evaluation, checkpoint, ...
-    target: dict | None = None  # train.target_val_loss's record once reached (trainer/target.py)
+    target: dict | None = None  # train.target_val_loss's record once reached (trainer/train/target.py)
 
 
 @dataclass
@@ -61,10 +61,10 @@ class RunResult:
     excluded_s: dict = field(default_factory=dict)  # the other seconds by kind: beside the figures too
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
-    # what produced the figures (trainer/provenance.py): in the summary record beside the figures,
+    # what produced the figures (trainer/observe/provenance.py): in the summary record beside the figures,
     # not among them (trackers log the figures)
     ran: dict = field(default_factory=dict)
-    target: dict | None = None  # train.target_val_loss: beside the figures too (trainer/target.py)
+    target: dict | None = None  # train.target_val_loss: beside the figures too (trainer/train/target.py)
 
 
 class Run:
@@ -146,7 +146,7 @@ class Run:
     def forward_backward(self, poison: bool = False) -> torch.Tensor:
         """Forward and backward of the step's grad_accum_steps micro batches from the train loader
         (gradients sync on the last); returns their mean loss on device. `poison`: the testing hook
-        DTRAIN_INJECT_NONFINITE (trainer/nonfinite.py) makes the loss NaN."""
+        DTRAIN_INJECT_NONFINITE (trainer/train/nonfinite.py) makes the loss NaN."""
         if not self.strategy.unwrap(self.model).training:
             # Only after an evaluation: train() rewrites every module's `training` attribute, and
             # torch.compile's guards then re-check each module's state on the next call (the
@@ -169,7 +169,7 @@ class Run:
         return loss_sum / accum
 
     def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip the gradients, check the step on every rank (trainer/nonfinite.py) and update the
+        """Clip the gradients, check the step on every rank (trainer/train/nonfinite.py) and update the
         weights only when it is finite (else drop the gradients): masked on device where the
         optimizer can, so no host sync comes before the update. Returns (mean loss over all ranks,
         gradient norm before clipping)."""

@@ -1,7 +1,7 @@
-"""The loop's bookkeeping after each optimizer step (trainer/loop.py): tokens/s windows, MFU, ETA,
+"""The loop's bookkeeping after each optimizer step (trainer/train/loop.py): tokens/s windows, MFU, ETA,
 the step's log record, and the split of the session's seconds into training (TrainState.train_s)
 and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, other), which time to
-target (trainer/target.py) reports."""
+target (trainer/train/target.py) reports."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from trainer.flops import device_peak_flops
-from trainer.metrics import MetricsLogger, ProgressView
+from trainer.observe.flops import device_peak_flops
+from trainer.observe.metrics import MetricsLogger, ProgressView
 
 
 class StepLog:
@@ -24,7 +24,7 @@ class StepLog:
     with it the figure read 16,828 tok/s against the step lines' 360,000); its wall-clock figure
     counts everything."""
 
-    def __init__(self, run, metrics: MetricsLogger, view: ProgressView):  # run: trainer.loop.Run
+    def __init__(self, run, metrics: MetricsLogger, view: ProgressView):  # run: trainer.train.loop.Run
         self.run, self.metrics, self.view = run, metrics, view
         t = run.cfg.train
         self.log_interval, self.max_steps = t.log_interval, t.max_steps

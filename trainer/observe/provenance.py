@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 import trainer
-from trainer.runtime import Runtime
+from trainer.process.runtime import Runtime
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent
+SOURCE_DIR = Path(__file__).resolve().parents[2]
 
 
 def what_ran(rt: Runtime) -> dict:

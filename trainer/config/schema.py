@@ -1,4 +1,4 @@
-"""The typed configuration schema, registered in Hydra's ConfigStore (the checks: trainer/validation.py).
+"""The typed configuration schema, registered in Hydra's ConfigStore (the checks: trainer/config/validation.py).
 
 Every YAML file under conf/ is merged onto these dataclasses, so an unknown key or a value of the
 wrong type fails while the config is composed, before any work starts.
@@ -13,15 +13,16 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from trainer.config_keys import apply_renamed_keys
-from trainer.env import launched_world
+from trainer.config.keys import apply_renamed_keys
+from trainer.config.vocab import VOCAB_RESOLVER
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
-from trainer.vocab import VOCAB_RESOLVER
+from trainer.process.env import launched_world
 
 # A checkout (or an editable install) reads the top-level conf/; a wheel carries it as trainer/conf.
-_PACKAGED_CONF = Path(__file__).resolve().parent / "conf"
-CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parent.parent / "conf"
+_TRAINER_DIR = Path(__file__).resolve().parents[1]
+_PACKAGED_CONF = _TRAINER_DIR / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _TRAINER_DIR.parent / "conf"
 # The modes are the options of the `parallel` config group (each names its Strategy's module in
 # trainer/parallel/); read from the folder so that checking a config never imports torch.
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
@@ -35,11 +36,11 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
-# `logger=` names: experiment trackers beside metrics.jsonl (trainer/trackers.py); `jsonl` alone means
+# `logger=` names: experiment trackers beside metrics.jsonl (trainer/observe/trackers.py); `jsonl` alone means
 # metrics.jsonl only, which is always written.
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 INIT_FROM_REQUIRED = "REQUIRED"
-# The block options (model.norm, model.pos, model.mlp), checked torch-free by trainer/validation.py.
+# The block options (model.norm, model.pos, model.mlp), checked torch-free by trainer/config/validation.py.
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu", "relu2")

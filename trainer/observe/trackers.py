@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import to_dict, tracker_names
+from trainer.config.schema import to_dict, tracker_names
 from trainer.errors import UserError
 from trainer.io import dotted_keys, one_line, write_atomic
-from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR, read_metrics, require_tracker
+from trainer.observe.metrics import METRICS_FILE, TENSORBOARD_DIR, read_metrics, require_tracker
 
 TRACKERS_FILE = "trackers.json"
 PROJECT = "dtrain"  # the W&B project and MLflow experiment unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME say

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from trainer.errors import ConfigError
 from trainer.io import write_atomic
-from trainer.joblog import LOG, rank_lines_wanted
+from trainer.process.joblog import LOG, rank_lines_wanted
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -67,7 +67,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self._file = None
-        self.sinks = list(sinks)  # experiment trackers (trainer/trackers.py) get every record too
+        self.sinks = list(sinks)  # experiment trackers (trainer/observe/trackers.py) get every record too
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,8 +111,8 @@ class ProgressView:
     """What a run shows as it goes. Rank 0: on a terminal with train.progress on, the live bar (loss,
     lr, tokens/s, ETA); otherwise (a pipe, a file, nohup, Slurm, or train.progress=false) one plain
     line per logged step on stdout. Either way every line, the step lines included, goes to the job
-    log (trainer.joblog). Other ranks print their own lines (prefixed `rank N: `) only when dtrain's
-    launcher started them (trainer.joblog.RANK_LINES_ENV): into their log files under <run dir>/logs,
+    log (trainer.process.joblog). Other ranks print their own lines (prefixed `rank N: `) only when dtrain's
+    launcher started them (trainer.process.joblog.RANK_LINES_ENV): into their log files under <run dir>/logs,
     or, for local rank 0 of a further node, onto that node's output."""
 
     def __init__(self, rank: int, total_steps: int, start_step: int, bar: bool = True):

@@ -57,12 +57,12 @@ import torch
 from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
 
+from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.model import GPT, GPTConfig
 from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
-from trainer.shape import parameter_count
 
 # ------------------------------------------------------------------------------------ sizes
 

@@ -24,8 +24,8 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from trainer.config import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
-from trainer.config_keys import apply_renamed_keys, run_identity
+from trainer.config.keys import apply_renamed_keys, run_identity
+from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"

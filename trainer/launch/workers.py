@@ -16,11 +16,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer.env import under_torchrun
 from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
-from trainer.joblog import worker_environment
-from trainer.rendezvous import rendezvous_plan
-from trainer.signals import ELASTIC_SIGNALS, DriverSignals
+from trainer.launch.rendezvous import rendezvous_plan
+from trainer.process.env import under_torchrun
+from trainer.process.joblog import worker_environment
+from trainer.process.signals import ELASTIC_SIGNALS, DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 # Failures that are one line without a traceback, though not the user's (exit code 1).
@@ -38,7 +38,7 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     than local rank 0 log to files under `log_dir`. `fresh_processes` starts even one worker as a
     new process (benchmarks measure a process that did nothing else). `stop_signals` (training):
     SIGTERM, SIGINT and SIGUSR1 reach the workers, which save and stop; this process then raises
-    Stopped (exit code 128+N) once they are done (trainer.signals).
+    Stopped (exit code 128+N) once they are done (trainer.process.signals).
     """
     if under_torchrun() or (world == 1 and launch["nnodes"] == 1 and not fresh_processes):
         return entrypoint(*args)

@@ -9,16 +9,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from trainer.checkpoint.manager import Checkpointer
-from trainer.config import from_dict
-from trainer.env import under_torchrun
+from trainer.config.schema import from_dict
 from trainer.errors import Stopped
-from trainer.launch_checks import check_launch
-from trainer.loop import train
 from trainer.parallel import strategy_class
-from trainer.preflight import preflight
-from trainer.rundir import RunDirLock, RunDirState, finished_message
-from trainer.runtime import init_runtime
-from trainer.signals import StopSignals
+from trainer.preflight.checks import preflight
+from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
+from trainer.preflight.torch_checks import check_launch
+from trainer.process.env import under_torchrun
+from trainer.process.runtime import init_runtime
+from trainer.process.signals import StopSignals
+from trainer.train.loop import train
 
 
 def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> dict:
@@ -29,7 +29,7 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     prepare the run and broadcast its config and run dir, so all ranks agree on both.
     """
     # First of all: a stop signal or the launcher's death while the process group comes up is
-    # already handled (see trainer.signals).
+    # already handled (see trainer.process.signals).
     stop = StopSignals(int(os.environ.get("RANK", 0))).install()
     cfg = from_dict(cfg_dict)
     try:

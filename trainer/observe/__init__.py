@@ -1,0 +1,3 @@
+"""What a run reports: metrics.jsonl and the console, trackers, provenance, peak FLOP/s, the
+results tables and seed statistics.
+"""
