@@ -17,10 +17,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
+from trainer.launch.relay import ELASTIC_SIGNALS, DriverSignals
 from trainer.launch.rendezvous import rendezvous_plan
 from trainer.process.env import under_torchrun
 from trainer.process.joblog import worker_environment
-from trainer.process.signals import ELASTIC_SIGNALS, DriverSignals
 
 USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
 # Failures that are one line without a traceback, though not the user's (exit code 1).

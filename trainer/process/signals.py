@@ -8,7 +8,7 @@ on a gloo group of its own and is read one boundary later, so a step never waits
 sync on the accelerator either): a signal is acted on at most one step late, by all ranks at the
 same step. A second signal exits at once, without saving.
 
-Driver side (`DriverSignals`, around torchrun's engine in launch.run_workers): torch's elastic agent
+Driver side (`DriverSignals` in trainer/launch/relay.py, around torchrun's engine): torch's elastic agent
 would turn SIGTERM/SIGINT into SignalException and tear the workers down within seconds, so its
 handlers are kept off these signals; the driver relays the first signal to its workers and waits
 for them to save, and a second one kills them and exits at once. The relay is SIGRTMIN+N, not N
@@ -31,7 +31,6 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -43,15 +42,10 @@ from trainer.process.joblog import say
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 RELAY_ENV = "DTRAIN_SIGNAL_RELAY"  # set by dtrain's driver: it relays stop signals and reports a second one
-# What torch's agent may still turn into SignalException (LaunchConfig.signals_to_handle; its default
-# adds SIGTERM and SIGINT): the stop signals are DriverSignals' to handle.
-ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 PARENT_POLL_S = 0.5
 # How long a worker's SIGINT waits to see whether its launcher is dying (kill -9) before it counts
 # as a stop request; a real stop is acted on at the next step boundary anyway.
 DEATH_GRACE_S = 0.3
-RELAY_PERIOD_S = 1.0
-WAIT_POLL_S = 0.2  # how often the driver's signal thread looks whether the launch ended
 
 _active: StopSignals | None = None
 
@@ -84,7 +78,7 @@ def relay_of(signum: int) -> int:
     return signal.SIGRTMIN + signum
 
 
-def _say(text: str) -> None:
+def say_now(text: str) -> None:
     # os.write: a handler may interrupt a print on the same stream (a reentrant call would raise)
     try:
         os.write(sys.stderr.fileno(), f"dtrain: {text}\n".encode())
@@ -92,12 +86,13 @@ def _say(text: str) -> None:
         pass
 
 
-def _name(signum: int) -> str:
+def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
 def announcement(signum: int) -> str:
-    return f"{_name(signum)} received: saving a checkpoint at the end of this step (a second signal stops at once)"
+    return (f"{signal_name(signum)} received: saving a checkpoint at the end of this step "
+            "(a second signal stops at once)")
 
 
 class StopSignals:
@@ -163,7 +158,7 @@ class StopSignals:
             time.sleep(0.01)
 
     def _exit_orphaned(self, signum: int) -> None:
-        _say(f"rank {self.rank}: the launcher (pid {self.parent}) died; exiting without saving (the same "
+        say_now(f"rank {self.rank}: the launcher (pid {self.parent}) died; exiting without saving (the same "
              "command continues from the newest checkpoint)")
         os._exit(128 + signum)  # nobody waits for this worker any more
 
@@ -176,7 +171,8 @@ class StopSignals:
                 self._first(signum)
             return
         if self.rank == 0 and not self.relayed_by_driver:  # dtrain's driver reports it itself
-            _say(f"second signal ({_name(signum)}): stopping at once without saving; exiting with {128 + signum}")
+            say_now(f"second signal ({signal_name(signum)}): stopping at once without saving; "
+                    f"exiting with {128 + signum}")
         os._exit(128 + signum)
 
     def _relayed(self, signum, _frame) -> None:
@@ -191,7 +187,7 @@ class StopSignals:
         # sends SIGTERM then too), and the save would never come: its word is the stop line at the
         # step boundary, once every rank agreed and the checkpoint is written.
         if self.parent is None:
-            _say(announcement(signum))
+            say_now(announcement(signum))
 
     def _watch_parent(self) -> None:
         stop = threading.Event()
@@ -233,109 +229,8 @@ def at_step_boundary(run, checkpointer) -> None:
     if checkpointer is not None:
         saved = f"saved {checkpointer.save_now(run)}"
     if run.rt.is_main:
-        say(f"{_name(signum)} at step {step}: {saved}; exiting with {128 + signum}")
+        say(f"{signal_name(signum)} at step {step}: {saved}; exiting with {128 + signum}")
         command = continue_command()  # the driver's `dtrain train ...`; none under plain torchrun
         if command and checkpointer is not None:
             say(f"the same command continues it: {command}")
     raise Stopped(signum)
-
-
-def spawned_workers(parent: int) -> list[int]:
-    """The pids of `parent`'s multiprocessing-spawned children (torchrun's engine's workers)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return pids
-
-
-class DriverSignals:
-    """The driver's handlers while torchrun's engine runs the workers of a training run."""
-
-    def __init__(self):
-        self.signum = 0
-        self.done = threading.Event()
-        self.previous: dict[int, object] = {}
-        self.previous_mask: set[int] | None = None
-        self.waiter: threading.Thread | None = None
-        self.saved_env: dict[str, str | None] = {}
-
-    def __enter__(self) -> DriverSignals:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self._set_env(RELAY_ENV, "1")  # inherited by the workers
-        for sig in STOP_SIGNALS:
-            self.previous[sig] = signal.signal(sig, self._handle)  # for a thread that was up before
-            # Ignored here and so in every worker until its own handler is up (an ignored
-            # disposition survives exec): a relay that comes too early is sent again.
-            self.previous[relay_of(sig)] = signal.signal(relay_of(sig), signal.SIG_IGN)
-        # Blocked in this thread, which starts the workers, and so in them until their handlers are
-        # up (a blocked signal stays blocked across exec, then pending): a signal to the whole process
-        # group while a worker still imports torch would otherwise kill it (SIGTERM, SIGUSR1) before it
-        # can save. The same holds for multiprocessing's resource tracker, started here first (it
-        # ignores only SIGINT and SIGTERM: a group SIGUSR1 killed it, and the one relaunched printed a
-        # KeyError traceback for each semaphore released). This process takes them in a thread of
-        # its own (threads started from here on inherit the block).
-        self.previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        resource_tracker.ensure_running()  # a no-op when it runs already (an earlier sweep point's)
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the tracker's start unblocks SIGINT and SIGTERM
-        self.waiter = threading.Thread(target=self._wait_for_signals, name="dtrain-signal-wait", daemon=True)
-        self.waiter.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        if self.waiter is not None:
-            self.waiter.join()
-            self.waiter = None
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous.clear()
-        if self.previous_mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self.previous_mask)
-            self.previous_mask = None
-        for key, value in self.saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-    def _set_env(self, key: str, value: str) -> None:
-        self.saved_env[key] = os.environ.get(key)
-        os.environ[key] = value
-
-    def _wait_for_signals(self) -> None:
-        while not self.done.is_set():
-            info = signal.sigtimedwait(STOP_SIGNALS, WAIT_POLL_S)
-            if info is not None:
-                self._handle(info.si_signo, None)
-
-    def _handle(self, signum, _frame) -> None:
-        if not self.signum:
-            self.signum = signum
-            _say(announcement(signum))
-            threading.Thread(target=self._relay, name="dtrain-signal-relay", daemon=True).start()
-            return
-        for pid in spawned_workers(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _say(f"second signal ({_name(signum)}): stopped the workers without saving; exiting with {128 + signum}")
-        os._exit(128 + signum)
-
-    def _relay(self) -> None:
-        # Until the workers are done: one that was still starting (or a restarted one) gets it too.
-        while not self.done.is_set():
-            for pid in spawned_workers(os.getpid()):
-                try:
-                    os.kill(pid, relay_of(self.signum))
-                except ProcessLookupError:
-                    pass
-            self.done.wait(RELAY_PERIOD_S)
