@@ -31,6 +31,7 @@ from trainer.config import (
     batch_plan,
     requested_world,
 )
+from trainer.dataset_names import HF_PATH_NEEDED, UNNAMED
 from trainer.env import launched_world
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
@@ -320,8 +321,11 @@ def check_model_size(m: DictConfig) -> None:
 
 def check_dataset_name(data: DictConfig) -> None:
     """data.name is one folder name: the dataset is <data.dir>/<data.name>, so an empty name would put
-    its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it."""
+    its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it. data=hf
+    without data.hf_path (or a data.name of its own) names no dataset at all."""
     name = str(data.name)
+    if name == UNNAMED and not data.get("hf_path") and not data.get("source"):
+        raise ConfigError(HF_PATH_NEEDED)
     if not name.strip():
         raise ConfigError(f"data.name is empty: a dataset lives in its own folder under data.dir={data.dir}; "
                           "name it, e.g. data.name=corpus")
