@@ -155,8 +155,11 @@ def test_a_missing_text_field_names_the_fields_there_are(tmp_path):
 
 
 def test_data_hf_without_hf_path_is_one_line_for_prepare_and_train(tmp_path):
-    with pytest.raises(ConfigError, match="data=hf needs data.hf_path"):
-        P.prepare(hf(f"dir={tmp_path / 'data'}"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a record"}\n')
+    for source in ([], [f"source={rows}"]):  # data.source replaces a preset's Hub; data=hf reads data.hf_path
+        with pytest.raises(ConfigError, match="data=hf needs data.hf_path"):
+            P.prepare(hf(f"dir={tmp_path / 'data'}", *source))
     proc = run_dtrain(["train", "data=hf", f"data.dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "data=hf needs data.hf_path" in one_error_line(proc)
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()

@@ -16,7 +16,7 @@ import json
 import os
 import re
 
-UNNAMED = "hf"  # data.name of `data=hf` while data.hf_path is unset (validation refuses it)
+UNNAMED = "hf"  # data.name of `data=hf` while data.hf_path is unset: a reserved name, validation refuses it
 DEFAULT_TEXT_FIELD = "text"  # the field every dataset read before data.text_field existed
 HF_NAME_RESOLVER = "dtrain_hf_dataset_name"
 HF_PATH_NEEDED = ("data=hf needs data.hf_path: a Hugging Face dataset id (e.g. data.hf_path=roneneldan/TinyStories) "

@@ -324,7 +324,7 @@ def check_dataset_name(data: DictConfig) -> None:
     its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it. data=hf
     without data.hf_path (or a data.name of its own) names no dataset at all."""
     name = str(data.name)
-    if name == UNNAMED and not data.get("hf_path") and not data.get("source"):
+    if name == UNNAMED and not data.get("hf_path"):
         raise ConfigError(HF_PATH_NEEDED)
     if not name.strip():
         raise ConfigError(f"data.name is empty: a dataset lives in its own folder under data.dir={data.dir}; "

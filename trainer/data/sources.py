@@ -31,7 +31,7 @@ from trainer.data import records
 from trainer.data.downloads import download, pip_download_sdist
 from trainer.data.layout import raw_dir
 from trainer.data.records import read_text_file
-from trainer.dataset_names import HF_PATH_NEEDED, LOCAL_SUFFIXES, UNNAMED, is_local, where
+from trainer.dataset_names import DEFAULT_TEXT_FIELD, HF_PATH_NEEDED, LOCAL_SUFFIXES, UNNAMED, is_local, where
 from trainer.errors import DataError
 from trainer.io import one_line, sha256_file
 
@@ -239,7 +239,7 @@ def hf_source(data_cfg) -> Source:
     name, split = data_cfg.hf_name, data_cfg.hf_split
     records.check_hub(hf_path, name, split, field)  # reachable, and the field is there, before any work
     described = f"hf:{hf_path}" + (f"/{name}" if name else "") + f"/{split}"
-    if field != "text":
+    if field != DEFAULT_TEXT_FIELD:
         described += f" field {field}"
     return Source(described, lambda: records.hub_documents(hf_path, name, split, field), None)
 
@@ -272,10 +272,10 @@ def open_source(data_cfg) -> Source:
         return named(data_cfg)
     if data_cfg.hf_path:
         return hf_source(data_cfg)
-    if data_cfg.name == "text" or data_cfg.source:
-        return text_source(data_cfg)
     if data_cfg.name == UNNAMED:
         raise DataError(HF_PATH_NEEDED)
+    if data_cfg.name == "text" or data_cfg.source:
+        return text_source(data_cfg)
     raise DataError(
         f"unknown dataset data.name={data_cfg.name!r}: nothing says what to read; choose one of {', '.join(DATASETS)}, "
         "set data.hf_path=<a Hugging Face dataset id or local files> (data=hf), or data.source=<files> to read your "
