@@ -15,6 +15,7 @@ import pytest
 from conftest import run_dtrain
 
 from scripts.benchmarks.tokenize_speed import benchmark_tokenize
+from trainer.config.compose import compose
 from trainer.data import prepare as P
 from trainer.data import sources
 from trainer.data.tokenize_pool import split_document
@@ -197,6 +198,11 @@ def test_tinyshakespeare_download_failure_is_one_line(tmp_path):
     assert "http://127.0.0.1:9/input.txt" in msg and "data.source=<local file>" in msg and "\n" not in msg
 
 
+def fineweb(**keys):
+    """data=fineweb_edu as `dtrain prepare` composes it (a preset of data=hf), with `keys` set."""
+    return compose(["data=fineweb_edu", *(f"data.{k}={v}" for k, v in keys.items())]).data
+
+
 def test_fineweb_local_jsonl(tmp_path):
     rows = [
         {"text": f"Document number {i}. " + "Education is the kindling of a flame. " * (i % 5 + 1)}
@@ -204,15 +210,7 @@ def test_fineweb_local_jsonl(tmp_path):
     ]
     jsonl = tmp_path / "fw.jsonl"
     jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = P.as_data_cfg(
-        {
-            "name": "fineweb_edu",
-            "dir": str(tmp_path / "data"),
-            "source": str(jsonl),
-            "val_fraction": 0.1,
-            "shard_tokens": 500,
-        }
-    )
+    cfg = fineweb(dir=str(tmp_path / "data"), source=str(jsonl), val_fraction=0.1, shard_tokens=500)
     m = json.loads(P.prepare(cfg).read_text())
     enc = gpt2_encoding()
     expected = [t for r in rows for t in [EOT] + enc.encode_ordinary(r["text"])]
@@ -223,9 +221,7 @@ def test_fineweb_local_jsonl(tmp_path):
         == expected
     )
     assert len(m["splits"]["train"]) > 1
-    capped = P.as_data_cfg(
-        {"name": "fineweb_edu", "dir": str(tmp_path / "cap"), "source": str(jsonl), "max_tokens": 300}
-    )
+    capped = fineweb(dir=str(tmp_path / "cap"), source=str(jsonl), max_tokens=300)
     mc = json.loads(P.prepare(capped).read_text())
     assert mc["tokens"] == 300 and mc["documents"] < 60
 
@@ -234,7 +230,7 @@ def test_fineweb_bad_jsonl(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"content": "no text field"}\n')
     with pytest.raises(DataError, match="bad.jsonl:2"):
-        P.prepare({"name": "fineweb_edu", "dir": str(tmp_path), "source": str(bad)})
+        P.prepare(fineweb(dir=str(tmp_path), source=str(bad)))
 
 
 def test_fineweb_hub_needs_datasets(tmp_path, monkeypatch):
@@ -242,7 +238,7 @@ def test_fineweb_hub_needs_datasets(tmp_path, monkeypatch):
     one line naming the extra."""
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     with pytest.raises(DataError, match=r"pip install 'dtrain\[fineweb\]'"):
-        P.prepare({"name": "fineweb_edu", "dir": str(tmp_path)})
+        P.prepare(fineweb(dir=str(tmp_path)))
 
 
 def test_benchmark_tokenize_reports():

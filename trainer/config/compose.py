@@ -24,6 +24,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from trainer.config.dataset_names import HF_NAME_RESOLVER, hf_dataset_name
 from trainer.config.keys import apply_renamed_keys, run_identity
 from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
 from trainer.errors import UserError
@@ -217,6 +218,8 @@ def register_hydra() -> None:
     register_configs()
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
+    if not OmegaConf.has_resolver(HF_NAME_RESOLVER):  # conf/data/hf.yaml's data.name
+        OmegaConf.register_new_resolver(HF_NAME_RESOLVER, hf_dataset_name)
 
 
 def default_run_name(root: DictConfig) -> str:

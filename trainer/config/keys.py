@@ -26,7 +26,7 @@ from trainer.io import dotted_keys
 TRAJECTORY = (
     "model.",
     "data.name", "data.dir", "data.source", "data.sha256", "data.val_fraction", "data.shard_tokens",
-    "data.hf_path", "data.hf_name", "data.hf_split", "data.max_tokens",
+    "data.hf_path", "data.hf_name", "data.hf_split", "data.text_field", "data.max_tokens",
     "optim.",
     "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",

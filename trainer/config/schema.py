@@ -111,10 +111,12 @@ class DataConfig:
     sha256: Optional[str] = None  # expected checksum of the downloaded source, when it is fixed
     val_fraction: float = 0.05
     shard_tokens: int = 100_000_000
-    # Hugging Face dataset coordinates (fineweb_edu); unused by the local datasets.
+    # What data=hf (and its preset fineweb_edu) reads: a Hub dataset id or local files, the Hub's
+    # configuration and split, and the field of each record that holds the text (trainer/config/dataset_names.py).
     hf_path: Optional[str] = None
     hf_name: Optional[str] = None
     hf_split: str = "train"
+    text_field: str = "text"
     max_tokens: Optional[int] = None  # stop preparing after this many tokens (null = all)
     # How shards are checked when a run opens them: size (always), sha256 or auto (sha256 when small).
     verify: str = "auto"

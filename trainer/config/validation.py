@@ -9,6 +9,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from trainer.config.dataset_names import HF_PATH_NEEDED, UNNAMED
 from trainer.config.schema import (
     COMPILE_MODES,
     DTYPES,
@@ -320,8 +321,11 @@ def check_model_size(m: DictConfig) -> None:
 
 def check_dataset_name(data: DictConfig) -> None:
     """data.name is one folder name: the dataset is <data.dir>/<data.name>, so an empty name would put
-    its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it."""
+    its shards into data.dir itself, and '..', '/' or an absolute path somewhere outside it. data=hf
+    without data.hf_path (or a data.name of its own) names no dataset at all."""
     name = str(data.name)
+    if name == UNNAMED and not data.get("hf_path"):
+        raise ConfigError(HF_PATH_NEEDED)
     if not name.strip():
         raise ConfigError(f"data.name is empty: a dataset lives in its own folder under data.dir={data.dir}; "
                           "name it, e.g. data.name=corpus")

@@ -41,6 +41,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, hf_dataset_name, where
 from trainer.config.schema import DataConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
@@ -59,6 +60,9 @@ from trainer.errors import DataError
 from trainer.io import check_writable_dir, first_missing, sha256_file, write_errors_as_user_errors
 
 # ------------------------------------------------------------------------------------- config
+
+# data=hf's keys (conf/data/hf.yaml) that a prepare command repeats only when they differ from these
+HF_DEFAULTS = {"hf_name": None, "hf_split": "train", "text_field": DEFAULT_TEXT_FIELD}
 
 
 def as_data_cfg(data_cfg) -> DictConfig:
@@ -95,6 +99,11 @@ def prepare_command(cfg: DictConfig, force: bool = False) -> str:
     parts = ["dtrain", "prepare"]
     if cfg.name in sources.DATASETS:
         parts.append(f"data={cfg.name}")
+    elif cfg.hf_path:  # data=hf: its coordinates, and its name unless they derive it
+        parts += ["data=hf", f"data.hf_path={cfg.hf_path}"]
+        parts += [f"data.{key}={cfg[key]}" for key, default in HF_DEFAULTS.items() if cfg[key] != default]
+        if cfg.name != hf_dataset_name(cfg.hf_path, cfg.hf_name, cfg.hf_split, cfg.text_field):
+            parts.append(f"data.name={cfg.name}")
     else:
         parts += ["data=text", f"data.name={cfg.name}"]
     if cfg.source:
@@ -111,10 +120,16 @@ def prepare_command(cfg: DictConfig, force: bool = False) -> str:
 
 
 def settings_of(cfg: DictConfig) -> dict:
-    """The config values a prepared dataset depends on (recorded in the manifest)."""
+    """The config values a prepared dataset depends on (recorded in the manifest). The text field is
+    there when it is not "text", the field every dataset read before data.text_field: a dataset
+    prepared then has the settings it would have now."""
     out = {k: cfg[k] for k in SETTINGS_KEYS}
     if out["source"]:
         out["source"] = sources.resolve_local(out["source"])
+    if out["hf_path"]:
+        out["hf_path"] = where(out["hf_path"])  # local files absolute; a Hub id as given
+    if cfg.get("text_field", DEFAULT_TEXT_FIELD) != DEFAULT_TEXT_FIELD:
+        out["text_field"] = cfg.text_field
     return out
 
 

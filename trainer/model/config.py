@@ -43,7 +43,7 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        """The MLP's hidden width (see trainer.config.schema.mlp_width)."""
+        """The MLP's hidden width (see trainer.config.shape.mlp_width)."""
         return mlp_width(self.n_embd, self.mlp, self.mlp_hidden, self.mlp_multiple_of)
 
     def summary(self) -> str:
