@@ -41,7 +41,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, TokenizerConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPES, FORMAT, MANIFEST, dataset_dir
@@ -77,8 +77,8 @@ def as_data_cfg(data_cfg) -> DictConfig:
         raise TypeError(f"expected a data config, got {type(data_cfg).__name__}")
     if str(values.get("dir", "")).startswith("${oc.env:DTRAIN_DATA_DIR"):  # outside Hydra: resolve here
         values["dir"] = str(default_data_dir())
-    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: GPT-2's
-        values["tokenizer"] = {"name": "gpt2", "path": None, "vocab_size": None}
+    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: the schema's
+        values["tokenizer"] = dataclasses.asdict(TokenizerConfig())
     return OmegaConf.create(values)
 
 
