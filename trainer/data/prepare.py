@@ -42,7 +42,7 @@ from rich.progress import (
 )
 
 from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, hf_dataset_name, where
-from trainer.config.schema import DataConfig
+from trainer.config.schema import DataConfig, TokenizerConfig
 from trainer.data import sources
 from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPES, FORMAT, MANIFEST, dataset_dir
@@ -80,8 +80,8 @@ def as_data_cfg(data_cfg) -> DictConfig:
         raise TypeError(f"expected a data config, got {type(data_cfg).__name__}")
     if str(values.get("dir", "")).startswith("${oc.env:DTRAIN_DATA_DIR"):  # outside Hydra: resolve here
         values["dir"] = str(default_data_dir())
-    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: GPT-2's
-        values["tokenizer"] = {"name": "gpt2", "path": None, "vocab_size": None}
+    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: the schema's
+        values["tokenizer"] = dataclasses.asdict(TokenizerConfig())
     return OmegaConf.create(values)
 
 

@@ -1,32 +1,37 @@
-"""The model's shape: GPT-2's by default, each block option a field (model.* in the run's config)."""
+"""The model's shape, each block option a field (model.* in the run's config). Every default is the
+schema's (trainer/config/schema.py ModelConfig: the tiny model with GPT-2's block), taken from there, so
+the model a config section builds and the one GPTConfig() builds cannot drift apart."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.config.schema import ModelConfig as Schema
 from trainer.config.shape import mlp_width
+from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024
-    vocab_size: int = 50257
-    pad_vocab_multiple: int = 1
-    dropout: float = 0.0
-    bias: bool = True
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    pos: str = "learned"
-    rope_theta: float = 10000.0
-    mlp: str = "gelu"
-    mlp_hidden: int | None = None
-    mlp_multiple_of: int = 256
-    n_kv_head: int | None = None
-    qk_norm: bool = False
-    tie_embeddings: bool = True
+    n_layer: int = Schema.n_layer
+    n_head: int = Schema.n_head
+    n_embd: int = Schema.n_embd
+    block_size: int = Schema.block_size
+    # the schema's default is the tokenizer's size, read when the config resolves: GPT-2's here
+    vocab_size: int = TOKENIZER_VOCAB_SIZE
+    pad_vocab_multiple: int = Schema.pad_vocab_multiple
+    dropout: float = Schema.dropout
+    bias: bool = Schema.bias
+    norm: str = Schema.norm
+    norm_eps: float = Schema.norm_eps
+    pos: str = Schema.pos
+    rope_theta: float = Schema.rope_theta
+    mlp: str = Schema.mlp
+    mlp_hidden: int | None = Schema.mlp_hidden
+    mlp_multiple_of: int = Schema.mlp_multiple_of
+    n_kv_head: int | None = Schema.n_kv_head
+    qk_norm: bool = Schema.qk_norm
+    tie_embeddings: bool = Schema.tie_embeddings
 
     @property
     def padded_vocab_size(self) -> int:
@@ -58,5 +63,6 @@ class GPTConfig:
     @classmethod
     def from_cfg(cls, model_cfg) -> GPTConfig:
         """From the run's model config. A key the saved config of an older run lacks keeps its
-        default (GPT-2's), so old checkpoints build the model they were trained with."""
+        default (the schema's: GPT-2's block), so old checkpoints build the model they were trained
+        with."""
         return cls(**{k: model_cfg[k] for k in cls.__dataclass_fields__ if k in model_cfg})
