@@ -57,6 +57,20 @@ OPERATIONAL = (
 )
 
 
+# Trajectory keys added after runs were recorded, each with the value that means what a run
+# recorded without it did. At that value a key is left out of the run folder's digest, and a record
+# that lacks it holds that value: the same command, typed again after an upgrade, finds and
+# continues the run it started before (tests/test_rundir.py).
+ADDED_KEYS = {
+    "data.text_field": "text",
+}
+
+
+def without_added_defaults(keys: dict) -> dict:
+    """Dotted keys less the ADDED_KEYS at the value an older run's record implies."""
+    return {k: v for k, v in keys.items() if k not in ADDED_KEYS or v != ADDED_KEYS[k]}
+
+
 def _matches(key: str, entries: tuple[str, ...]) -> bool:
     return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
 
@@ -81,7 +95,8 @@ def run_identity(config: dict) -> str:
     keeps it, a changed trajectory key is another run in another folder. The batch keys are left
     out: the global batch they make is checked against the checkpoint's (a continuation told to
     repeat train.total_batch_size must land in the same folder)."""
-    keys = {k: v for k, v in dotted_keys(config).items() if key_kind(k) == "trajectory" and k not in BATCH_KEYS}
+    keys = {k: v for k, v in without_added_defaults(dotted_keys(config)).items()
+            if key_kind(k) == "trajectory" and k not in BATCH_KEYS}
     digest = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:8]
     model, data = config.get("model", {}).get("name"), config.get("data", {}).get("name")
     parts = [str(p) for p in (model, data) if p] + [digest]

@@ -21,7 +21,7 @@ from typing import Any
 
 from trainer.checkpoint.integrity import check_chosen_files
 from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
-from trainer.config.keys import BATCH_KEYS, is_operational
+from trainer.config.keys import BATCH_KEYS, is_operational, without_added_defaults
 from trainer.errors import UserError
 from trainer.io import check_writable_dir, dotted_keys, flock_holder, new_file_mode, one_line, write_atomic
 from trainer.observe.metrics import METRICS_FILE, read_metrics
@@ -79,7 +79,7 @@ def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | N
     """Refuse a changed trajectory key (trainer/config/keys.py); operational keys may change. A
     key in neither table (a record from another version) counts as trajectory. `source`: the file
     `recorded` was read from (the run's resolved_config.json unless a checkpoint's config.json)."""
-    was, now = dotted_keys(recorded), dotted_keys(config)
+    was, now = without_added_defaults(dotted_keys(recorded)), without_added_defaults(dotted_keys(config))
     on_purpose = f"resume={run_dir} continues its newest checkpoint with the new settings on purpose"
     steps_key = "train.max_steps"
     if was.get(steps_key) != now.get(steps_key):
@@ -103,7 +103,7 @@ def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | N
 
 def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ()) -> list[str]:
     """The dotted keys, other than operational ones and `skip`, whose values differ."""
-    was, now = dotted_keys(recorded), dotted_keys(config)
+    was, now = without_added_defaults(dotted_keys(recorded)), without_added_defaults(dotted_keys(config))
     return [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not is_operational(k)
             and k not in skip]
 
