@@ -135,8 +135,8 @@ def test_weights_are_normalised_and_checked():
 
 def test_a_source_not_prepared_is_one_line(data_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_dtrain(["train", "model=tiny", "data=mix", "data.mix={corpus: 0.7, my_code: 0.3}", f"data.dir={data_dir}",
-                       f"hydra.run.dir={run_dir}"])
+    proc = run_dtrain(["train", "model=tiny", "data=mix", "data.mix={corpus: 0.7, my_code: 0.3}",
+                       f"data.dir={data_dir}", f"hydra.run.dir={run_dir}"])
     assert_user_error(proc, "data.mix's source 'my_code' is not prepared", "run `dtrain prepare data=text "
                       f"data.name=my_code data.dir={data_dir}`")
     assert not run_dir.exists()
