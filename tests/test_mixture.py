@@ -7,8 +7,9 @@ another world size too), and a source read whole starts over with one `dtrain:` 
 line: a source not prepared, bad weights and `dtrain prepare data=mix` are one line each before
 anything is written; real runs (slow): none/ddp/zero/fsdp at world 2 within 1e-5 of each other, with
 tokens_by_source in metrics.jsonl and the summary and validation per source; kill -9 and resume
-bitwise; a changed weight refused naming `resume=`; a source prepared again from other text refused
-by the checkpoint's data identity; sources of two tokenizers refused naming both.
+bitwise, and resharded to one process; a changed weight refused naming `resume=`; a source prepared
+again from other text refused by the checkpoint's data identity; sources of two tokenizers refused
+naming both.
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ def test_every_mode_reads_the_same_mixture(mix_dir, tmp_path):
 def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
     """kill -9 after a checkpoint, the same command resumes: every loss, grad norm and tokens by
     source equal the uninterrupted run's (source b is read whole and starts over on the way); a
-    changed weight is refused naming resume=, nothing written; the checkpoint's data identity covers
-    each source."""
+    changed weight is refused naming resume=, nothing written; a checkpoint resumed by one process
+    tracks the world-2 run within 1e-5; the checkpoint's data identity covers each source."""
     ckpt = ("train.max_steps=10", "checkpoint.interval=3", "parallel=ddp", "world=2")
     reference, run_dir, log = tmp_path / "reference", tmp_path / "run", tmp_path / "killed.log"
     done = run_dtrain(mix_args(mix_dir, reference, *ckpt), check=True)
@@ -226,6 +227,13 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
     assert loss_records(run_dir) == loss_records(reference)
     by_source = {r["step"]: r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r}
     assert by_source == {r["step"]: r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r}
+    # resharded: its step-6 checkpoint (keep=3 kept 6, 9, 10) continued by one process (accumulation 2) reads the same tokens
+    resharded = tmp_path / "resharded"
+    run_dtrain(mix_args(mix_dir, resharded, "train.max_steps=10", "train.total_batch_size=512", "parallel=none",
+                        f"resume={reference / 'checkpoints' / 'step_000006'}"), check=True)
+    want, got = train_losses(reference), train_losses(resharded)
+    assert sorted(got) == list(range(7, 11)) and max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
+    assert all(r["tokens_by_source"] == by_source[r["step"]] for r in read_metrics(resharded) if "loss" in r)
     # the checkpoint records each source's identity: b prepared again from other text is refused
     chosen, data = newest_resumable(run_dir / "checkpoints"), tmp_path / "data"
     assert sorted(chosen.state["data"]) == ["a/train", "a/val", "b/train", "b/val"]
