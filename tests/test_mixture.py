@@ -227,7 +227,7 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
     assert loss_records(run_dir) == loss_records(reference)
     by_source = {r["step"]: r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r}
     assert by_source == {r["step"]: r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r}
-    # resharded: its step-6 checkpoint (keep=3 kept 6, 9, 10) continued by one process (accumulation 2) reads the same tokens
+    # resharded: its step-6 checkpoint (of 6, 9, 10) continued by one process (accumulation 2): the same tokens
     resharded = tmp_path / "resharded"
     run_dtrain(mix_args(mix_dir, resharded, "train.max_steps=10", "train.total_batch_size=512", "parallel=none",
                         f"resume={reference / 'checkpoints' / 'step_000006'}"), check=True)
