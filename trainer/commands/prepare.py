@@ -7,7 +7,9 @@ from rich.console import Console
 from trainer.config.args import ArgParser
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
+from trainer.data.mixture import EXAMPLE
 from trainer.data.prepare import is_prepared, prepare
+from trainer.errors import DataError
 
 
 def cmd_prepare(argv: list[str]) -> None:
@@ -19,6 +21,9 @@ def cmd_prepare(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
     check_ranges(cfg, ("data",))  # e.g. data.shard_tokens=0 would never fill a shard
+    if cfg.data.mix is not None or cfg.data.name == "mix":
+        raise DataError(f"a mixture ({EXAMPLE}) trains on datasets prepared on their own; prepare each of "
+                        "its sources: `dtrain prepare data=NAME` (or data=text data.name=NAME data.source=...)")
     reused = not args.force and is_prepared(cfg.data)
     manifest = prepare(cfg.data, force=args.force)
     if reused:

@@ -27,6 +27,7 @@ TRAJECTORY = (
     "model.",
     "data.name", "data.dir", "data.source", "data.sha256", "data.val_fraction", "data.shard_tokens",
     "data.hf_path", "data.hf_name", "data.hf_split", "data.text_field", "data.max_tokens",
+    "data.mix", "data.mix.",  # a mixture's sources and their weights (data.mix.NAME: each weight)
     "optim.",
     "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
@@ -63,6 +64,7 @@ OPERATIONAL = (
 # continues the run it started before (tests/test_rundir.py).
 ADDED_KEYS = {
     "data.text_field": "text",
+    "data.mix": None,
 }
 
 

@@ -122,6 +122,10 @@ class DataConfig:
     verify: str = "auto"
     num_proc: Optional[int] = None  # tokenizer processes; null = all cores
     auto_prepare: bool = False  # prepare on first use by `dtrain train` (the embedded default does)
+    # A weighted mixture of datasets prepared in data.dir (data=mix): {name: weight}, normalised to
+    # sum 1 (trainer/data/mixture.py); null: one dataset. Typed Any (OmegaConf merges no dict into a
+    # typed empty one under Hydra's struct mode): the checks name a bad value in one line.
+    mix: Any = None
     # The run's tokenizer (the top-level `tokenizer` group), here so that every data function that
     # takes cfg.data knows which ids a dataset holds. Not a key to set: set tokenizer.* instead.
     tokenizer: TokenizerConfig = "${tokenizer}"  # type: ignore[assignment]

@@ -1,8 +1,9 @@
 """What data a run trains on, as its checkpoints record it: per split, the token count, the number
 of shards and one digest over the manifest's shard checksums and sizes; and the tokenizer the
 manifest says made its ids. The same text prepared with the same settings again has the same
-identity; other text does not. Torch-free (the run-directory checks compare it before torch is
-imported)."""
+identity; other text does not. A mixture's (data.mix) is each source's, its splits named
+`<source>/<split>`, and their one tokenizer. Torch-free (the run-directory checks compare it before
+torch is imported)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hashlib
 
 from trainer.data.layout import MANIFEST, dataset_dir
 from trainer.data.manifest import recorded_tokenizer
+from trainer.data.mixture import source_configs
 from trainer.data.prepare import as_data_cfg, load_manifest
 
 # The manifest's fields that say how its ids were made.
@@ -18,6 +20,11 @@ TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "eot", "tokenizer_fingerprint")
 
 def data_identity(data_cfg) -> dict | None:
     """{split: {"tokens", "shards", "sha256"}} of the prepared dataset, or None when it has no manifest."""
+    if sources := source_configs(data_cfg):
+        parts = {name: data_identity(source) for name, source in sources.items()}
+        if any(part is None for part in parts.values()):
+            return None
+        return {f"{name}/{split}": split_id for name, part in parts.items() for split, split_id in part.items()}
     manifest = load_manifest(dataset_dir(as_data_cfg(data_cfg)) / MANIFEST)
     if manifest is None:
         return None
@@ -31,7 +38,10 @@ def recorded_identity(data_cfg) -> dict:
 
 def tokenizer_identity(data_cfg) -> dict | None:
     """{"tokenizer", "vocab_size", "eot", "tokenizer_fingerprint"} as the prepared dataset's manifest
-    records them (manifest.recorded_tokenizer), or None when it has no manifest."""
+    records them (manifest.recorded_tokenizer), or None when it has no manifest. A mixture's sources
+    share one (mixture.check_sources): the first one's."""
+    if sources := source_configs(data_cfg):
+        return tokenizer_identity(next(iter(sources.values())))
     manifest = load_manifest(dataset_dir(as_data_cfg(data_cfg)) / MANIFEST)
     if manifest is None:
         return None

@@ -122,6 +122,9 @@ class ShardLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "mixture" in state:
+            raise DataError("the checkpoint read a mixture (data.mix, trainer/data/mix_loader.py), this run one "
+                            "dataset; continue it with its data.mix, or start afresh (another hydra.run.dir=)")
         self.epoch = int(state["epoch"])
         self._order = self._shard_order(self.epoch)
         self.shard_pos = int(state["shard_pos"])

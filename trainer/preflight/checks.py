@@ -16,6 +16,7 @@ from trainer.config.schema import batch_plan, to_dict, tracker_names
 from trainer.config.validation import validate
 from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import dataset_dir
+from trainer.data.mixture import check_mixture_data, mixture_weights
 from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizers import load_tokenizer
@@ -59,7 +60,11 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     `lock`: the run directory's, which then holds the dataset folder against a re-prepare for the
     run's life. A sweep checks each point's before its sweep folder is made, without `prepare_now`:
     a point that prepares its data when it starts has only its source checked, where that needs
-    no download."""
+    no download. A mixture (data.mix) reads datasets prepared on their own: each is checked, none
+    prepared."""
+    if mixture_weights(cfg.data):
+        check_mixture_data(cfg, world, None if lock is None else lambda folder: lock.hold(hold_for_reading(folder)))
+        return
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
     # validation reads at least one micro batch per rank (trainer.train.loop's val loader)

@@ -23,8 +23,7 @@ from trainer.checkpoint.records import Resumable, newest_resumable
 from trainer.config.keys import BATCH_KEYS
 from trainer.config.schema import batch_plan, to_dict
 from trainer.data.identity import data_identity, identity_changes, tokenizer_changes, tokenizer_identity
-from trainer.data.layout import dataset_dir
-from trainer.data.prepare import as_data_cfg
+from trainer.data.mixture import describe_data
 from trainer.errors import ConfigError, DataError
 from trainer.io import dotted_keys
 from trainer.preflight.rundir import CONFIG_RECORD, check_same_run, read_record, trajectory_changes
@@ -63,9 +62,8 @@ def check_same_data(cfg, run_dir: Path, chosen: Resumable | None) -> None:
         changes += tokenizer_changes(was_tok, now_tok)
     # A checkpoint from before these were recorded: the data.* keys were compared as trajectory keys.
     if changes:
-        folder = dataset_dir(as_data_cfg(cfg.data))
         raise DataError(
-            f"dataset {cfg.data.name!r} in {folder} is not the data the run in {run_dir} trained on "
+            f"{describe_data(cfg.data)} is not the data the run in {run_dir} trained on "
             f"({_named(chosen)}): {'; '.join(changes)}; prepare the data it trained on again to continue it, "
             f"resume={run_dir} to continue on the new data on purpose, or choose another hydra.run.dir="
         )

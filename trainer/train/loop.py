@@ -15,6 +15,8 @@ from rich.markup import escape
 from trainer.checkpoint.init_from import start_from_weights
 from trainer.config.schema import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
+from trainer.data.mix_loader import MixtureLoader
+from trainer.data.mixture import mixed_figures, mixture_weights, source_configs
 from trainer.data.shards import open_split, redo_command
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
@@ -65,6 +67,7 @@ class RunResult:
     # not among them (trackers log the figures)
     ran: dict = field(default_factory=dict)
     target: dict | None = None  # train.target_val_loss: beside the figures too (trainer/train/target.py)
+    tokens_by_source: dict | None = None  # a mixture's (data.mix) training tokens by source
 
 
 class Run:
@@ -85,10 +88,15 @@ class Run:
         raw_model.loss_chunks = cfg.train.loss_chunks
         self.model = self.strategy.wrap(raw_model)
         self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
-        self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
-        self.val_loader = None
+        self.mix_weights = mixture_weights(cfg.data)  # None: one dataset
+        sources = source_configs(cfg.data) or {cfg.data.name: cfg.data}
+        self.train_loader = self._mixture_loader(sources) if self.mix_weights else self._loader(
+            cfg.data, "train", self.plan.grad_accum_steps, shuffle=True)
+        self.val_loader = None  # one dataset's; val_loaders: every source's
+        self.val_loaders: dict[str, ShardLoader] = {}
         if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:
-            self.val_loader = self._val_loader()
+            self.val_loaders = {name: self._val_loader(data) for name, data in sources.items()}
+            self.val_loader = None if self.mix_weights else self.val_loaders[cfg.data.name]
             # bytes per id of the (padded) head; padding rows never stand for text: 0
             known = self.tokenizer.byte_lengths()[: raw_model.config.padded_vocab_size]
             padding = [0] * (raw_model.config.padded_vocab_size - len(known))
@@ -101,20 +109,27 @@ class Run:
         self.masks_on_device = masks_on_device(self.optimizer)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
-    def _val_loader(self) -> ShardLoader:
+    def _val_loader(self, data) -> ShardLoader:
         """Validation reads the first val_batches micro batches (rounded up to whole rounds of
         `world`, so every world size scores the same tokens), or as many as the split holds."""
         t = self.cfg.train
-        shards = open_split(self.cfg.data, "val")
+        shards = open_split(data, "val")
         chunk = t.micro_batch_size * t.seq_len
         available = max((len(s) - 1) // chunk for s in shards) // self.rt.world
         rounds = max(1, min(math.ceil(t.val_batches / self.rt.world), available))
-        return self._loader("val", rounds, shuffle=False, shards=shards)
+        return self._loader(data, "val", rounds, shuffle=False, shards=shards)
 
-    def _loader(self, split: str, accum: int, shuffle: bool, shards=None) -> ShardLoader:
+    def _mixture_loader(self, sources: dict) -> MixtureLoader:
+        t = self.cfg.train
+        return MixtureLoader({name: open_split(data, "train") for name, data in sources.items()}, self.mix_weights,
+                             t.micro_batch_size, t.seq_len, self.rt.rank, self.rt.world, self.plan.grad_accum_steps,
+                             t.seed, self.rt.device, vocab_size=self.tokenizer.vocab_size,
+                             redo={name: redo_command(data) for name, data in sources.items()})
+
+    def _loader(self, data, split: str, accum: int, shuffle: bool, shards=None) -> ShardLoader:
         t = self.cfg.train
         return ShardLoader(
-            shards if shards is not None else open_split(self.cfg.data, split),
+            shards if shards is not None else open_split(data, split),
             t.micro_batch_size,
             t.seq_len,
             self.rt.rank,
@@ -123,9 +138,9 @@ class Run:
             t.seed,
             self.rt.device,
             shuffle_shards=shuffle,
-            what=f"{split} split of dataset {self.cfg.data.name!r}",
+            what=f"{split} split of dataset {data.name!r}",
             vocab_size=self.tokenizer.vocab_size,
-            redo=redo_command(self.cfg.data),
+            redo=redo_command(data),
         )
 
     # --- one optimizer step ----------------------------------------------------------------
@@ -185,25 +200,44 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
 
-    @torch.no_grad()
     def val_loss(self) -> tuple[float, float]:
-        """(mean loss, bits per byte) over the first val_batches micro batches of the val split, all
-        ranks. Bits per byte: the summed loss in bits over the UTF-8 bytes the target tokens stand
-        for (a document boundary stands for none and is left out, as nanochat counts it), so runs
-        with different tokenizers compare."""
+        """(mean loss, bits per byte) of validation (val_figures): a mixture's overall figures."""
+        figures = self.val_figures()
+        return figures["val_loss"], figures["val_bpb"]
+
+    @torch.no_grad()
+    def val_figures(self) -> dict[str, float]:
+        """`val_loss` (mean loss) and `val_bpb` (bits per byte) over the first val_batches micro batches
+        of the val split, all ranks; a mixture's per source too (`val_loss/<source>`, ...) and overall
+        at the sources' weights (mixture.mixed_figures). Bits per byte: the summed loss in bits over
+        the UTF-8 bytes the target tokens stand for (a document boundary stands for none and is left
+        out, as nanochat counts it), so runs with different tokenizers compare."""
         model = self.strategy.inference_model(self.model)
         model.eval()
-        self.val_loader.reset()
-        # [sum of the micro batches' mean losses, nats over the targets with bytes, their bytes]
-        sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
-        for _ in range(self.val_loader.accum):
-            x, y = self.val_loader.next_batch()
+        sums = {name: self._val_sums(model, loader) for name, loader in self.val_loaders.items()}
+        if self.mix_weights:
+            return mixed_figures(sums, self.mix_weights)
+        loss, nats, nbytes, _ = sums[self.cfg.data.name]
+        return {"val_loss": loss, "val_bpb": nats / (math.log(2) * nbytes) if nbytes else math.nan}
+
+    def _val_sums(self, model, loader: ShardLoader) -> list[float]:
+        """[mean loss, nats over the targets with bytes, their bytes, targets] of one val split."""
+        loader.reset()
+        # [sum of the micro batches' mean losses, nats over the targets with bytes, their bytes, targets]
+        sums = torch.zeros(4, dtype=torch.float64, device=self.rt.device)
+        for _ in range(loader.accum):
+            x, y = loader.next_batch()
             with self.strategy.autocast():
                 _, losses = model(x, y, per_token=True)
             nbytes = self.token_bytes[y.reshape(-1)]
-            sums += torch.stack([losses.mean(), losses[nbytes > 0].sum(), nbytes.sum()]).double()
-        loss, nats, nbytes = self.rt.all_reduce_sum(sums).tolist()
-        return loss / self.val_loader.accum / self.rt.world, nats / (math.log(2) * nbytes) if nbytes else math.nan
+            sums[:3] += torch.stack([losses.mean(), losses[nbytes > 0].sum(), nbytes.sum()]).double()
+            sums[3] += y.numel()
+        loss, nats, nbytes, targets = self.rt.all_reduce_sum(sums).tolist()
+        return [loss / loader.accum / self.rt.world, nats, nbytes, targets]
+
+    def tokens_by_source(self) -> dict[str, int] | None:
+        """A mixture's training tokens by source so far (metrics.jsonl's step records, the summary)."""
+        return self.train_loader.tokens_by_source() if self.mix_weights else None
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, seed: int) -> str:
@@ -262,13 +296,14 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 steps.restart_window()
                 continue
             last = state.step == t.max_steps
-            if run.val_loader is not None and ((t.val_interval and state.step % t.val_interval == 0) or last):
-                val, bpb = run.val_loss()
+            if run.val_loaders and ((t.val_interval and state.step % t.val_interval == 0) or last):
+                figures = run.val_figures()
+                val, bpb = figures["val_loss"], figures["val_bpb"]
                 if math.isfinite(val):
                     state.best_val_loss = min(state.best_val_loss, val)
                 val_bpb = bpb
-                metrics.log({"step": state.step, "tokens": state.tokens, "val_loss": val, "val_bpb": bpb})
-                view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}")
+                metrics.log({"step": state.step, "tokens": state.tokens, **figures})
+                view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}" + _by_source(figures))
                 steps.restart_window(excluded="evaluation")  # tokens/s measures training, not evaluation
                 # the run ends at its target, unless train.continue_after_target
                 if watch.reached({"val_loss": val, "val_bpb": bpb}[watch.figure], state):
@@ -308,6 +343,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             excluded_s=dict(state.excluded_s),
             ran=what_ran(rt) if rt.is_main else {},
             target=watch.record(state),
+            tokens_by_source=run.tokens_by_source(),
         )
         view.close()
         if t.sample_tokens > 0:
@@ -319,6 +355,8 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             figures = asdict(result)
             beside = {key: figures.pop(key) for key in ("ran", "excluded_s", "target")}  # not numbers
             beside = {k: v for k, v in beside.items() if v is not None}  # no target: no `target` record
+            if result.tokens_by_source is None:  # one dataset
+                figures.pop("tokens_by_source")
             metrics.log({"step": state.step, "tokens": state.tokens, **beside, "summary": figures})
         return result
     finally:
@@ -340,6 +378,14 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
         "wall time": f"{result.wall_s:.1f} s",
         **({"time to target": describe_target(result.target)} if result.target else {}),
+        **({"tokens by source": ", ".join(f"{name} {n:,} ({n / max(1, result.tokens):.1%})" for name, n in
+                                          result.tokens_by_source.items())} if result.tokens_by_source else {}),
         "ran with": describe(result.ran),
         "run dir": str(run_dir),
     }
+
+
+def _by_source(figures: dict[str, float]) -> str:
+    """A mixture's validation loss per source, for the console line ("" for one dataset)."""
+    losses = {key.split("/", 1)[1]: value for key, value in figures.items() if key.startswith("val_loss/")}
+    return "".join(f" | {name} {value:.4f}" for name, value in losses.items())

@@ -89,6 +89,9 @@ class StepLog:
         }
         if self.peak_total:
             record["mfu"] = self.run.flops_per_token * tokens_per_s / self.peak_total
+        by_source = self.run.tokens_by_source()
+        if by_source is not None:  # a mixture (data.mix): its training tokens by source so far
+            record["tokens_by_source"] = by_source
         self.metrics.log(record)
         self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now))
 

@@ -1,0 +1,181 @@
+"""Weighted mixtures of prepared datasets: `data=mix data.mix='{fineweb_edu: 0.7, my_code: 0.3}'`.
+
+The sources are datasets prepared in data.dir on their own (`dtrain prepare data=NAME`), all with
+one tokenizer. Every sequence of the token stream (seq_len tokens and the next one) is drawn from one
+source: sequence after sequence of the run, a smooth weighted round-robin (Schedule) picks the
+source furthest behind its share, so every optimizer step holds each source's share to within one
+sequence, and which sequence comes from where depends on the run's sequence count alone, not on the
+world size, the micro batch or the accumulation (the loader: trainer/data/mix_loader.py). Torch-free:
+the checks before a run (trainer/preflight/checks.py) and the data's identity (identity.py) use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config.schema import batch_plan
+from trainer.data.layout import MANIFEST, dataset_dir
+from trainer.data.manifest import describe_tokenizer, recorded_tokenizer
+from trainer.data.prepare import as_data_cfg, load_manifest, prepare_command, refuse_foreign_tokenizer
+from trainer.data.shards import open_split
+from trainer.errors import ConfigError, DataError
+
+MIX_NAME = "mix"  # conf/data/mix.yaml's data.name
+EXAMPLE = "data.mix='{fineweb_edu: 0.7, my_code: 0.3}'"
+
+
+def mixture_weights(data_cfg) -> dict[str, float] | None:
+    """{source: weight} by name, the weights normalised to sum 1; None for one dataset. A mixture
+    without sources, a weight that is not a positive number or a source that is not a folder name
+    is one ConfigError line."""
+    mix = data_cfg.get("mix")
+    if mix is None or (isinstance(mix, (dict, DictConfig)) and len(mix) == 0):
+        if data_cfg.get("name") == MIX_NAME:
+            raise ConfigError(f"data=mix needs its sources: {EXAMPLE} (datasets prepared in data.dir, each "
+                              "with `dtrain prepare data=NAME`), or choose one dataset with data=NAME")
+        return None
+    if isinstance(mix, DictConfig):
+        mix = OmegaConf.to_container(mix, resolve=True)
+    if not isinstance(mix, dict) or not mix:
+        raise ConfigError(f"data.mix={mix!r} is not a mapping of dataset names to weights; e.g. {EXAMPLE}")
+    for name, weight in mix.items():
+        if not str(name).strip() or str(name) in (".", "..") or "/" in str(name) or os.sep in str(name):
+            raise ConfigError(f"data.mix names {name!r}, not a dataset's folder name in data.dir; e.g. {EXAMPLE}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ConfigError(f"data.mix gives {name!r} the weight {weight!r}: a weight is a positive number "
+                              f"(the weights are normalised to sum 1); e.g. {EXAMPLE}")
+    total = math.fsum(float(w) for w in mix.values())
+    return {str(name): float(mix[name]) / total for name in sorted(mix, key=str)}
+
+
+def source_configs(data_cfg) -> dict[str, DictConfig]:
+    """{source: its data config} (the mixture's data.dir, data.verify and tokenizer, its own name), by
+    name; empty for one dataset."""
+    weights = mixture_weights(data_cfg)
+    if weights is None:
+        return {}
+    cfg = as_data_cfg(data_cfg)
+    values = OmegaConf.to_container(cfg, resolve=True)
+    return {name: OmegaConf.create({**values, "name": name, "mix": None, "source": None, "sha256": None})
+            for name in weights}
+
+
+def describe_data(data_cfg) -> str:
+    """"dataset 'x' in FOLDER", or "data.mix's datasets 'a', 'b' in DIR", for messages."""
+    cfg = as_data_cfg(data_cfg)
+    sources = source_configs(cfg)
+    if not sources:
+        return f"dataset {cfg.name!r} in {dataset_dir(cfg)}"
+    return f"data.mix's datasets {', '.join(map(repr, sources))} in {cfg.dir}"
+
+
+def _found(source: DictConfig) -> tuple[Path, dict] | None:
+    """The source's folder and manifest: prepared with the run's tokenizer, else with any other one
+    (`<name>` is GPT-2's folder, `<name>.tok-<digest>` another tokenizer's); None when not prepared."""
+    own = dataset_dir(source)
+    base = Path(os.path.expanduser(str(source.dir)))
+    for folder in [own, base / source.name, *sorted(base.glob(f"{source.name}.tok-*"))]:
+        manifest = load_manifest(folder / MANIFEST)
+        if manifest is not None:
+            return folder, manifest
+    return None
+
+
+def check_sources(data_cfg) -> None:
+    """Every source is prepared, all with one tokenizer, the run's: one DataError line otherwise."""
+    found = {}
+    for name, source in source_configs(data_cfg).items():
+        hit = _found(source)
+        if hit is None:
+            raise DataError(f"data.mix's source {name!r} is not prepared in {source.dir}; run "
+                            f"`{prepare_command(source)}` (a mixture reads datasets prepared on their own)")
+        found[name] = hit
+    (first, (first_folder, first_manifest)), *others = found.items()
+    ours = recorded_tokenizer(first_manifest)
+    for name, (folder, manifest) in others:
+        theirs = recorded_tokenizer(manifest)
+        if theirs != ours:
+            raise DataError(
+                f"data.mix's sources {first!r} and {name!r} were prepared with different tokenizers: {first!r} "
+                f"({first_folder}) with {describe_tokenizer(ours)}, {name!r} ({folder}) with "
+                f"{describe_tokenizer(theirs)}; a mixture reads one tokenizer's ids: prepare {name!r} again with "
+                f"{first!r}'s tokenizer (or {first!r} with {name!r}'s)"
+            )
+    refuse_foreign_tokenizer(source_configs(data_cfg)[first], first_folder / MANIFEST, first_manifest)
+
+
+def check_mixture_data(cfg, world: int, hold: Callable[[Path], None] | None = None) -> None:
+    """A mixture's data before a run (preflight.check_data's): its weights, its sources (prepared, one
+    tokenizer), a shard of each source's train split holding one sequence and, when the run
+    validates, one of its val split holding one validation batch. `hold`: takes each source's folder
+    (the run's lock on it, against a re-prepare)."""
+    check_sources(cfg.data)
+    t = cfg.train
+    plan = batch_plan(cfg, world)
+    validates = cfg.data.val_fraction > 0 and t.val_batches > 0
+    for name, source in source_configs(cfg.data).items():
+        if hold is not None:
+            hold(dataset_dir(source))
+        needs = {"train": (t.seq_len + 1, "one sequence", "seq_len", "lower train.seq_len")}
+        if validates:
+            needs["val"] = (plan.micro_batch_size * t.seq_len * world + 1, "one validation batch",
+                            f"micro_batch_size x seq_len x world {world}",
+                            "lower the micro batch or world, or set train.val_batches=0 to train without validation")
+        for split, (need, what, made_of, fix) in needs.items():
+            have = max((len(s) for s in open_split(source, split)), default=0)
+            if have < need:
+                raise DataError(f"the {split} split of data.mix's source {name!r} holds at most {have:,} tokens per "
+                                f"shard but {what} needs {need:,} ({made_of}, +1); {fix}, or prepare {name!r} "
+                                "from more text")
+
+
+class Schedule:
+    """Smooth weighted round-robin over the sources (nginx's): each pick adds every source's weight
+    to its credit and takes the source with the most (the first by name on a tie), which then pays
+    the weights' sum. Each source's count stays within about one of weight x picks at every pick, and
+    the picks depend on nothing but the weights and the credits (saved with the loader's position)."""
+
+    def __init__(self, weights: dict[str, float]):
+        self.names = list(weights)
+        self.weights = [weights[n] for n in self.names]
+        self.total = math.fsum(self.weights)
+        self.credit = [0.0] * len(self.names)
+
+    def next(self) -> int:
+        """The index (in `names`) of the source of the next sequence."""
+        best = 0
+        for i, weight in enumerate(self.weights):
+            self.credit[i] += weight
+            if self.credit[i] > self.credit[best]:
+                best = i
+        self.credit[best] -= self.total
+        return best
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(zip(self.names, self.credit))
+
+    def load_state_dict(self, credits: dict[str, float]) -> None:
+        """Sources the saved schedule did not have (a resume= with another mix) start at no credit."""
+        self.credit = [float(credits.get(name, 0.0)) for name in self.names]
+
+
+def mixed_figures(sums: dict[str, list[float]], weights: dict[str, float]) -> dict[str, float]:
+    """Validation of a mixture from each source's [mean loss, nats over the targets that stand for
+    bytes, their bytes, targets]: `val_loss/<source>` and `val_bpb/<source>`, and overall the
+    expected figures of the mixture's token stream, each source at its weight: `val_loss` the weighted
+    loss per token, `val_bpb` the weighted bits per token over the weighted bytes per token."""
+    figures: dict[str, float] = {}
+    bits = nbytes = 0.0
+    for name, (loss, nats, source_bytes, targets) in sums.items():
+        figures[f"val_loss/{name}"] = loss
+        figures[f"val_bpb/{name}"] = nats / (math.log(2) * source_bytes) if source_bytes else math.nan
+        bits += weights[name] * nats / math.log(2) / targets
+        nbytes += weights[name] * source_bytes / targets
+    overall = {"val_loss": math.fsum(weights[name] * sums[name][0] for name in sums),
+               "val_bpb": bits / nbytes if nbytes else math.nan}
+    return {**overall, **figures}
