@@ -247,6 +247,26 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_kill_and_resume_a_mixture_bitwise_with_sharded_state(mode, mix_dir, tmp_path):
+    """The same kill -9 and resume where the optimizer state (zero) or the parameters too (fsdp)
+    are sharded: every loss and grad norm and the tokens by source equal the uninterrupted run's."""
+    ckpt = ("train.max_steps=8", "checkpoint.interval=3", f"parallel={mode}", "world=2")
+    reference, run_dir, log = tmp_path / "reference", tmp_path / "run", tmp_path / "killed.log"
+    run_dtrain(mix_args(mix_dir, reference, *ckpt), check=True)
+    args = mix_args(mix_dir, run_dir, *ckpt)
+    proc = start_dtrain(args, log)
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    assert max(logged_steps(run_dir)) < 8
+    resumed = run_dtrain(args, check=True)
+    assert f"resuming from {run_dir / 'checkpoints'}/step_" in resumed.stderr, resumed.stderr[-3000:]
+    assert loss_records(run_dir) == loss_records(reference)
+    by_source = {r["step"]: r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r}
+    assert by_source == {r["step"]: r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r}
+
+
+@pytest.mark.slow
 def test_sources_of_two_tokenizers_are_one_line(mix_dir, tmp_path):
     """Source c prepared with its own byte-level tokenizer beside a (GPT-2's): one line naming both."""
     from test_tokenizers import byte_level_folder  # needs the tokenizers package (importorskip there)
