@@ -21,7 +21,12 @@ from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
 from trainer.joblog import worker_environment
 from trainer.rendezvous import rendezvous_plan
 from trainer.signals import ELASTIC_SIGNALS, DriverSignals
-from trainer.worker_errors import leave_with_user_error, left_with_user_error, reported_user_error
+from trainer.worker_errors import (
+    leave_with_user_error,
+    left_with_user_error,
+    raise_injected_error,
+    reported_user_error,
+)
 
 # Failures that are one line without a traceback, though not the user's (exit code 1). A worker's
 # user error crosses by kind instead (trainer.worker_errors).
@@ -105,6 +110,7 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     # pointed it at a log file since: each line goes out as it is printed, not once a block fills.
     sys.stdout.reconfigure(line_buffering=True)
     try:
+        raise_injected_error()  # a testing hook (trainer.worker_errors)
         return entrypoint(*args)
     except Stopped as stop:  # every rank saved and stopped: rank 0's result says so, for the driver
         return {"stopped_by": stop.signum}  # to exit 128+N (an exception would read as a failure)

@@ -9,10 +9,15 @@ that line. Nothing here or in the driver lists the kinds of user error.
 
 The worker leaves by SystemExit: torchelastic's `record` would write an uncaught exception into
 the same file (over this one), and lets a SystemExit pass without writing.
+
+DTRAIN_INJECT_WORKER_ERROR=MODULE:FACTORY[@RANK] (a testing hook) makes a worker (every one, or
+the one of that rank) raise what FACTORY() in MODULE returns before it runs anything else: a test
+raises so a kind of user error that only the test defines, in real worker processes.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -24,6 +29,7 @@ from trainer.errors import UserError
 USER_ERROR_KEY = "dtrain_user_error"
 USER_ERROR_EXIT = 2  # as the `dtrain` command's own exit code for a user error
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+INJECT_ENV = "DTRAIN_INJECT_WORKER_ERROR"
 
 
 def leave_with_user_error(err: UserError) -> NoReturn:
@@ -55,3 +61,15 @@ def left_with_user_error(exit_code: int | None) -> bool:
     """Whether a worker process that ended with `exit_code` left with a user error (its engine's
     report of the exit, a traceback of the engine's own, is then noise above the one line)."""
     return exit_code == USER_ERROR_EXIT
+
+
+def raise_injected_error() -> None:
+    """The testing hook's error, in a worker it names (nothing when DTRAIN_INJECT_WORKER_ERROR is unset)."""
+    spec = os.environ.get(INJECT_ENV, "").strip()
+    if not spec:
+        return
+    target, _, rank = spec.partition("@")
+    if rank and rank != os.environ.get("RANK", "0"):
+        return
+    module, _, factory = target.partition(":")
+    raise getattr(importlib.import_module(module), factory)()
