@@ -38,7 +38,7 @@ def leave_with_user_error(err: UserError) -> NoReturn:
     error_file = os.environ.get(ERROR_FILE_ENV)
     if not error_file:
         raise err
-    line = str(err)
+    line = str(err).strip().split("\n")[0]  # the rule's one line, should a message hold more
     # torchelastic's own layout of the file (its message and timestamp: which worker failed
     # first), with the line beside it
     record = {
