@@ -2,10 +2,11 @@
 
 Everything goes through Hydra's public entry point, `hydra.main`, so Hydra's own flags
 (--config-dir, --config-path, --config-name, hydra.searchpath) mean what they mean in any Hydra app.
-Before it runs, the same flags and overrides are composed with Hydra's public compose API and every
-check passes (config, run directory, data, tokenizer, the mode's worker count): only then does
-`hydra.main` make the run directory, its `.hydra/` record and dtrain.log, and call `train_job`. A
-sweep checks every point the same way first; `trainer.launch.sweep` keeps each point's status.
+Before it runs, the same flags and overrides are composed with Hydra's public compose API and the
+run is claimed (trainer.preflight.claim: every check, the run directory taken, resolved_config.json): only
+then does `hydra.main` write its `.hydra/` record and dtrain.log and call `train_job`. A sweep checks
+every point as far as it can first; each point claims its own folder; `trainer.launch.sweep` keeps each
+point's status. Under plain torchrun, rank 0's worker claims the run (trainer.train.worker.torchrun_main).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import shlex
 import shutil
 import sys
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -42,7 +42,7 @@ from trainer.config.schema import requested_world, to_dict
 from trainer.config.validation import validate
 from trainer.io import folder_setting, write_errors_as_user_errors
 from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
-from trainer.preflight.checks import check_data, check_run, preflight, record_config
+from trainer.preflight.claim import check_sweep_point, claim_run
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
 from trainer.process.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 
@@ -84,18 +84,16 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
         return
     world = requested_world(job_cfg)
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
-        state = check_run(job_cfg, run_dir, world, lock)
-        if state is RunDirState.FINISHED:
-            Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
-            return
-        check_launch(job_cfg, world, run_dir)
-        _announce(state, run_dir)
-        # The command that continues this run, for the line a stop signal prints (workers inherit it).
-        with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
-            # A full disk or a refused write while Hydra sets the run up is one line, and what it
-            # made is removed again.
-            with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
-                lock.claim()
+        # A full disk or a refused write while the run is claimed or Hydra sets it up is one line,
+        # and what they made is removed again.
+        with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
+            state = claim_run(job_cfg, run_dir, world, lock)
+            if state is RunDirState.FINISHED:
+                Console().print(f"dtrain: {finished_message(run_dir)}", highlight=False, soft_wrap=True)
+                return
+            _announce(state, run_dir)
+            # The command that continues this run, for the line a stop signal prints (workers inherit it).
+            with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
                 run_app(args)
 
 
@@ -149,10 +147,7 @@ def run_app(args: list[str], job=None):
 
 def _sweep(args: list[str], overrides: list[str], source) -> None:
     for point in sweep_points(overrides):
-        cfg = compose(point, source=source)
-        validate(cfg)
-        check_data(cfg, requested_world(cfg), prepare_now=False)  # before the sweep folder, which Hydra makes
-        check_launch(cfg, requested_world(cfg))
+        check_sweep_point(compose(point, source=source))  # before the sweep folder, which Hydra makes
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     with holding_sweep_dir(sweep_dir):  # one sweep per folder, as one run per run directory
         try:
@@ -192,43 +187,33 @@ def _scratch_dir() -> str:
     return scratch
 
 
-def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
-    """The checks that need torch (mode, device, resume's model, tracker credentials, room for a
-    fresh run's first checkpoint in `run_dir`), still before anything is written."""
-    # trainer.preflight.torch_checks imports torch: only once the checks that need no torch have passed
-    from trainer.preflight.torch_checks import check_launch as check_with_torch
-
-    check_with_torch(cfg, world, run_dir)
-
-
 def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
     if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
-        return run_point(cfg, hydra_cfg, lambda lock: run_training(cfg, run_dir, checked=False, lock=lock))
-    return run_training(cfg, run_dir, checked=True)["best_val_loss"]
+        return run_point(cfg, hydra_cfg, lambda lock: _train_point(cfg, run_dir, lock))
+    return run_training(cfg, run_dir)["best_val_loss"]
 
 
-def run_training(cfg, run_dir: Path, checked: bool, lock: RunDirLock | None = None) -> dict:
-    """Train with cfg in run_dir on the requested workers; returns rank 0's figures. `checked`:
-    this process already checked and claimed the run directory (a single run does so before
-    Hydra writes anything); a sweep point is checked here, under `lock` (its sweep holds it)."""
+def _train_point(cfg, run_dir: Path, lock: RunDirLock | None) -> dict:
+    """One sweep point in its folder: claimed under `lock` (the point's, which its sweep holds),
+    then trained. Under plain torchrun (no lock here) rank 0's worker claims it."""
+    if lock is not None and claim_run(cfg, run_dir, requested_world(cfg), lock) is RunDirState.FINISHED:
+        return {}
+    return run_training(cfg, run_dir)
+
+
+def run_training(cfg, run_dir: Path) -> dict:
+    """Train a claimed run with cfg in run_dir on the requested workers; returns rank 0's figures.
+    Under plain torchrun this process is one of the workers, and rank 0's claims the run."""
     # the torch side of dtrain: imported once the checks have passed
     from trainer.launch.workers import run_workers
-    from trainer.train.worker import worker_main
+    from trainer.train.worker import torchrun_main, worker_main
 
-    world = requested_world(cfg)
     cfg_dict = to_dict(cfg)
     if under_torchrun():
-        return worker_main(cfg_dict, str(run_dir), preflight_done=False)
-    if checked:
-        record_config(cfg, run_dir)
-        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
-                           stop_signals=True)
-    with RunDirLock(run_dir) if lock is None else nullcontext(lock) as lock:
-        if preflight(cfg, run_dir, world, lock, check_launch) is RunDirState.FINISHED:
-            return {}
-        return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], world, run_dir / "logs",
-                           stop_signals=True)
+        return torchrun_main(cfg_dict, str(run_dir))
+    return run_workers(worker_main, (cfg_dict, str(run_dir)), cfg_dict["launch"], requested_world(cfg),
+                       run_dir / "logs", stop_signals=True)

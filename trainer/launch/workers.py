@@ -19,11 +19,17 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
 from trainer.launch.relay import ELASTIC_SIGNALS, DriverSignals
 from trainer.launch.rendezvous import rendezvous_plan
+from trainer.launch.worker_errors import (
+    leave_with_user_error,
+    left_with_user_error,
+    raise_injected_error,
+    reported_user_error,
+)
 from trainer.process.env import under_torchrun
 from trainer.process.joblog import worker_environment
 
-USER_ERROR_TYPES = ("UserError", "ConfigError", "DataError", "CheckpointError")
-# Failures that are one line without a traceback, though not the user's (exit code 1).
+# Failures that are one line without a traceback, though not the user's (exit code 1). A worker's
+# user error crosses by kind instead (trainer.launch.worker_errors).
 ONE_LINE_FAILURES = ("NonFiniteError",)
 
 
@@ -74,10 +80,11 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
             results = elastic_launch(config, worker_process)(entrypoint, *args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        line = reported_user_error(failure.error_file_data)
+        if line is not None:
+            raise UserError(line) from None
         message = _failure_message(failure)
         first = message.split("\n")[0]
-        if any(message.startswith(kind + ":") or f".{kind}:" in first for kind in USER_ERROR_TYPES):
-            raise UserError(message.split(":", 1)[1].strip().split("\n")[0]) from None
         for kind in ONE_LINE_FAILURES:
             if f"{kind}:" in first:
                 raise NonFiniteError(first.split(f"{kind}:", 1)[1].strip()) from None
@@ -103,7 +110,12 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     # pointed it at a log file since: each line goes out as it is printed, not once a block fills.
     sys.stdout.reconfigure(line_buffering=True)
     try:
+        raise_injected_error()  # a testing hook (trainer.launch.worker_errors)
         return entrypoint(*args)
+    except Stopped as stop:  # every rank saved and stopped: rank 0's result says so, for the driver
+        return {"stopped_by": stop.signum}  # to exit 128+N (an exception would read as a failure)
+    except UserError as err:  # any kind of user error: its one line, for the driver
+        leave_with_user_error(err)
     finally:
         gc.freeze()
 
@@ -130,16 +142,20 @@ def _environment(updates: dict[str, str]) -> Iterator[None]:
 
 class _DropUserErrorReports:
     """A logging filter: torchelastic logs every failed worker with its traceback, and torch's
-    spawn logs each sibling it terminates after a failure. For a user error the driver prints one
-    line instead, so those reports are dropped (a crash keeps its traceback)."""
+    spawn logs each sibling it terminates after a failure. For a user error (a worker that left
+    with one, trainer.launch.worker_errors) or a one-line failure the driver prints one line instead, so
+    those reports are dropped (a crash keeps its traceback)."""
 
     def filter(self, record) -> bool:
         text = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            text += str(record.exc_info[1])
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            if left_with_user_error(getattr(exc, "exit_code", None)):
+                return False
+            text += str(exc)
         if text.startswith("Terminating process") and "via signal" in text:
             return False
-        return not any(f"trainer.errors.{kind}:" in text for kind in USER_ERROR_TYPES + ONE_LINE_FAILURES)
+        return not any(f"trainer.errors.{kind}:" in text for kind in ONE_LINE_FAILURES)
 
 
 def _quiet_user_errors() -> None:

@@ -4,7 +4,6 @@ before anything is written to the run directory (and before torch is imported)."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -143,21 +142,8 @@ def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
     )
 
 
-def preflight(cfg, run_dir: Path, world: int, lock: RunDirLock,
-              check_launch: Callable[[object, int, Path], None]) -> RunDirState:
-    """Every check under the run directory's lock (`check_launch`: the caller's checks that need
-    torch, which this module does not import), then (unless the run is finished) the directory
-    claimed and the resolved config recorded; returns what the run directory held."""
-    lock.probe()
-    state = check_run(cfg, run_dir, world, lock)
-    if state is not RunDirState.FINISHED:
-        check_launch(cfg, world, run_dir)
-        lock.claim()
-        record_config(cfg, run_dir)
-    return state
-
-
 def record_config(cfg, run_dir: Path) -> None:
+    """resolved_config.json, with a line when it replaces a different record (trainer.preflight.claim's last step)."""
     note = write_config_record(run_dir, to_dict(cfg))
     if note:
         _say(note)

@@ -36,9 +36,10 @@ OPTIMIZER_STATE = {"adamw": "AdamW", "muon": "Muon and AdamW"}
 WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
 
 
-def check_launch(cfg, world: int, run_dir: Path | None = None) -> None:
+def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     """Every check of this module, in the order a user would fix them; raises UserError. `run_dir`:
-    the run's directory (None: a sweep's points before its folders are known)."""
+    the run's directory (None: a sweep's points before its folders are known). trainer.preflight.claim runs
+    them, after the checks that need no torch."""
     check_mode(cfg, world)
     device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
     check_model_fits(cfg, world, device)

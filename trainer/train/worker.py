@@ -1,33 +1,72 @@
-"""A worker process: the same entry point under dtrain's launcher, plain torchrun, or in-process."""
+"""A worker process: the same loop under dtrain's launcher, in-process, or under plain torchrun.
+
+    worker_main     a run its driver already claimed (dtrain's launcher, or one worker in-process)
+    torchrun_main   plain torchrun: every rank composed its own config; rank 0 claims the run
+                    (trainer.preflight.claim) and all ranks go on with its config and run directory
+"""
 
 from __future__ import annotations
 
 import gc
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config.schema import from_dict
 from trainer.errors import Stopped
 from trainer.parallel import strategy_class
-from trainer.preflight.checks import preflight
+from trainer.preflight.claim import claim_run
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
-from trainer.preflight.torch_checks import check_launch
-from trainer.process.env import under_torchrun
-from trainer.process.runtime import init_runtime
+from trainer.process.runtime import Runtime, init_runtime
 from trainer.process.signals import StopSignals
 from trainer.train.loop import train
 
 
-def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> dict:
+def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     """Train on this rank; returns the run's figures (rank 0's are the ones reported).
 
-    Module level and picklable: torchrun's engine spawns it in every worker process.
-    `preflight_done=False` (plain torchrun, where every rank composed its own config) makes rank 0
-    prepare the run and broadcast its config and run dir, so all ranks agree on both.
+    Module level and picklable: torchrun's engine spawns it in every worker process. A stop signal
+    ends it as Stopped, once every rank has stopped at the same step and the checkpoint is saved.
     """
+    with _this_rank(cfg_dict) as (cfg, rt):
+        return _train(cfg, rt, Path(run_dir))
+
+
+def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
+    """Plain torchrun's worker (every rank ran `dtrain train` itself): rank 0 claims the run, and
+    its config and run directory reach every rank, so all ranks agree on both; its user error is
+    raised on every rank. Returns the run's figures ({} when the run had finished already)."""
+    lock = RunDirLock(Path(run_dir))  # rank 0 holds the run directory's lock for the run's life
+    try:
+        with _this_rank(cfg_dict) as (cfg, rt):
+            def claim() -> tuple[dict, str, bool]:
+                finished = claim_run(cfg, Path(run_dir), rt.world, lock) is RunDirState.FINISHED
+                if finished:
+                    print(f"dtrain: {finished_message(Path(run_dir))}", flush=True)
+                return cfg_dict, run_dir, finished
+
+            claimed_cfg, claimed_dir, finished = rt.from_main(claim)
+            if finished:
+                return {}
+            return _train(from_dict(claimed_cfg), rt, Path(claimed_dir))
+    finally:
+        lock.release()
+
+
+def _train(cfg, rt: Runtime, run_dir: Path) -> dict:
+    return asdict(train(cfg, rt, run_dir, Checkpointer(cfg, rt, run_dir)))
+
+
+@contextmanager
+def _this_rank(cfg_dict: dict) -> Iterator[tuple[DictConfig, Runtime]]:
+    """The config and this rank's runtime (process group, device, threads) with its stop signals,
+    and the teardown after the run, whatever ended it."""
     # First of all: a stop signal or the launcher's death while the process group comes up is
     # already handled (see trainer.process.signals).
     stop = StopSignals(int(os.environ.get("RANK", 0))).install()
@@ -42,35 +81,18 @@ def worker_main(cfg_dict: dict, run_dir: str, preflight_done: bool = True) -> di
     except BaseException:
         stop.uninstall(clean=False)
         raise
-    lock = RunDirLock(Path(run_dir))  # plain torchrun: rank 0 holds the run directory's lock
     clean = interrupted = False
     try:
-        if not preflight_done:
-            def prepare_run():
-                finished = preflight(cfg, Path(run_dir), rt.world, lock, check_launch) is RunDirState.FINISHED
-                if finished:
-                    print(f"dtrain: {finished_message(Path(run_dir))}", flush=True)
-                return cfg_dict, run_dir, finished
-
-            cfg_dict, run_dir, finished = rt.from_main(prepare_run)
-            if finished:
-                clean = True
-                return {}
-            cfg = from_dict(cfg_dict)
-        result = train(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir)))
+        yield cfg, rt
         clean = True
-        return asdict(result)
     except BaseException as err:
         # The traceback's frames keep the wrapped model alive; freeing a DDP model after its
         # gloo group is destroyed can deadlock at exit, so let go of it before the teardown.
         traceback.clear_frames(err.__traceback__)
         clean = isinstance(err, Stopped)  # every rank stopped at the same step, checkpoint saved
         interrupted = isinstance(err, KeyboardInterrupt)
-        if clean and under_torchrun() and preflight_done:
-            return {"stopped_by": err.signum}  # dtrain's driver exits 128+N (an error would be a failure)
         raise
     finally:
         stop.uninstall(clean)
         gc.collect()
         rt.shutdown(barrier=not interrupted)
-        lock.release()

@@ -1,0 +1,57 @@
+"""Claiming a run: the one way each of dtrain's launch paths starts one.
+
+    claim_run:  the checks that need no torch (preflight.check_run)
+             -> the checks that need torch (launch_checks.check_with_torch)
+             -> the run directory claimed (its lock taken, the folder made)
+             -> the resolved config recorded (resolved_config.json)
+
+Nothing is written before every check has passed. Who calls it, and when:
+
+    a single run        the driver, before Hydra writes .hydra/ and dtrain.log (commands/train.py)
+    a sweep point       the driver, in the point's folder under the lock its sweep took (commands/train.py)
+    plain torchrun      rank 0's worker, which tells the other ranks its config and run directory
+                        (worker.torchrun_main)
+
+A sweep also checks each point before its sweep folder exists (check_sweep_point), as far as that
+can be known without the point's folder; the point then claims its folder with claim_run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.config.schema import requested_world
+from trainer.config.validation import validate
+from trainer.preflight.checks import check_data, check_run, record_config
+from trainer.preflight.rundir import RunDirLock, RunDirState
+
+
+def claim_run(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
+    """Check everything, then claim `run_dir` for this run under `lock` (the run directory's, held
+    by the caller for the run's life) and record its config; returns what the directory held. A
+    finished run is neither claimed nor recorded (the caller says so and trains nothing)."""
+    lock.probe()
+    state = check_run(cfg, run_dir, world, lock)
+    if state is RunDirState.FINISHED:
+        return state
+    _check_with_torch(cfg, world, run_dir)
+    lock.claim()
+    record_config(cfg, run_dir)
+    return state
+
+
+def check_sweep_point(cfg) -> None:
+    """A sweep's point, checked before the sweep folder is made: its config, its data (without
+    preparing it) and the checks that need torch, all but those of its run directory."""
+    validate(cfg)
+    world = requested_world(cfg)
+    check_data(cfg, world, prepare_now=False)
+    _check_with_torch(cfg, world, None)
+
+
+def _check_with_torch(cfg, world: int, run_dir: Path | None) -> None:
+    # torch is imported only here, once the checks that need none have passed: a user error
+    # found by those arrives without waiting for torch
+    from trainer.preflight.torch_checks import check_with_torch
+
+    check_with_torch(cfg, world, run_dir)
