@@ -36,7 +36,7 @@ from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import batch_plan, from_dict, to_dict  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
-from trainer.model import build_model  # noqa: E402
+from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy, strategy_class  # noqa: E402
 from trainer.train.loop import TrainState  # noqa: E402
 

@@ -42,7 +42,7 @@ from trainer.checkpoint.verify import SafeReader  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import batch_plan  # noqa: E402
 from trainer.io import write_durable  # noqa: E402
-from trainer.model import build_model  # noqa: E402
+from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 from trainer.process.runtime import Runtime  # noqa: E402
 from trainer.train.loop import TrainState  # noqa: E402

@@ -33,7 +33,7 @@ from trainer.config.schema import to_dict  # noqa: E402
 from trainer.data.tokenizer import gpt2_encoding  # noqa: E402
 from trainer.evals.hellaswag import HellaSwagEval, read_examples  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
-from trainer.model import build_model  # noqa: E402
+from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"

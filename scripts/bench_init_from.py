@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
 from trainer.checkpoint.init_from import start_from_weights  # noqa: E402
 from trainer.checkpoint.init_source import check_init_source  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
-from trainer.model import build_model  # noqa: E402
+from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 from trainer.process.runtime import Runtime  # noqa: E402
 

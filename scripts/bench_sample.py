@@ -27,8 +27,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trainer.config.compose import compose  # noqa: E402
-from trainer.model import build_model  # noqa: E402
 from trainer.model.decode import generate  # noqa: E402
+from trainer.model.gpt import build_model  # noqa: E402
 
 
 @torch.no_grad()

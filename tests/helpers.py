@@ -11,7 +11,7 @@ import torch
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config.compose import compose
 from trainer.config.schema import batch_plan
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
 from trainer.train.loop import TrainState

@@ -60,7 +60,7 @@ def test_bench_rejects_unknown_mode(tmp_path):
 @pytest.mark.slow
 def test_metrics_carry_mfu_when_the_peak_is_known(data_dir, tmp_path):
     from trainer.config.compose import compose
-    from trainer.model import build_model
+    from trainer.model.gpt import build_model
 
     run_dtrain(tiny_args(data_dir, tmp_path / "mfu", "train.max_steps=3", "train.peak_flops=1e12"),
                check=True)

@@ -24,7 +24,7 @@ from trainer.config.shape import parameter_count
 from trainer.config.validation import MAX_PARAMETERS, NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
 from trainer.data.layout import dataset_dir
 from trainer.errors import ConfigError, UserError
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel import STRATEGIES
 from trainer.plan.memory import estimate, host_memory, model_state_floor
 from trainer.preflight.torch_checks import check_model_fits

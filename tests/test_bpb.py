@@ -13,7 +13,8 @@ from helpers import ONE_CPU_PROCESS
 
 from trainer.config.compose import compose
 from trainer.data.tokenizer import EOT, encode, token_byte_lengths
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.train.loop import Run
 
 

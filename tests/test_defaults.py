@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from trainer.config.compose import compose
 from trainer.config.schema import CONF_DIR, GROUP_SCHEMAS, Config, ModelConfig, TokenizerConfig
 from trainer.io import dotted_keys
-from trainer.model import GPTConfig
+from trainer.model.config import GPTConfig
 from trainer.parallel import STRATEGIES
 
 # The groups whose options are merged onto a schema dataclass, and the key that names an option.

@@ -10,7 +10,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.optim import param_groups
 from trainer.parallel import strategy_class
 

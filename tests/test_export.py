@@ -25,7 +25,7 @@ from trainer.config.compose import compose
 from trainer.data import tokenizer
 from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 
 pytest.importorskip("safetensors")
 

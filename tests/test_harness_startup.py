@@ -23,7 +23,7 @@ from conftest import REPO, dtrain_env, run_dtrain
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.data.tokenizer import cached_ranks_path
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.preflight.rundir import write_config_record
 
 harness_tasks = pytest.importorskip("lm_eval.tasks")

@@ -28,7 +28,8 @@ from trainer.evals.hellaswag import (
     read_examples,
     score_batch,
 )
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.process.runtime import Runtime
 
 SINGLE = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
@@ -294,7 +295,7 @@ def trained_run(data_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_trained_model_tells_apart_what_it_can(trained_run):
-    from trainer.model import build_model
+    from trainer.model.gpt import build_model
 
     model, cfg = trained_run["model"], trained_run["cfg"]
     easy = HellaSwagEval(read_examples(trained_run["files"]["easy"]), 0, 1, 8, cfg.model.block_size)

@@ -22,7 +22,7 @@ from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.weights import model_from_run
 from trainer.config.compose import compose
 from trainer.errors import CheckpointError, ConfigError
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -23,7 +23,7 @@ from trainer.commands.export import export
 from trainer.config.compose import compose
 from trainer.config.validation import validate
 from trainer.errors import ConfigError, UserError
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
 

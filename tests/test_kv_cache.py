@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trainer.config.compose import compose
-from trainer.model import build_model
 from trainer.model.decode import Sampling, generate, next_tokens
+from trainer.model.gpt import build_model
 from trainer.model.kv_cache import KVCache
 
 PROMPT_LENGTHS = (1, 3, 7, 20, 45)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_matches_one_process, run_dtrain, tiny_args, train_losses
 
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.model.loss import chunked_cross_entropy
 
 SHAPE = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=300, pad_vocab_multiple=64)

@@ -3,8 +3,9 @@ import math
 import torch
 from omegaconf import OmegaConf
 
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
 from trainer.model.decode import Sampling, generate
+from trainer.model.gpt import GPT
 from trainer.model.layers import apply_rotary, rotary_tables
 from trainer.optim import lr_at, param_groups
 

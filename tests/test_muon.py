@@ -31,7 +31,7 @@ from test_signals import STOP_LINE, finish, logged, wait_for
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
 from trainer.optim import build_optimizer, parts, split_params
 from trainer.parallel.muon import assign_owners

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config.compose import compose
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.muon import NS_COEFFICIENTS, BatchedMuon, lr_ratio
 from trainer.optim import build_optimizer, muon_parts, parts, split_params
 

@@ -19,7 +19,7 @@ from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
 from trainer.config.schema import batch_plan, from_dict
 from trainer.errors import NonFiniteError
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.observe.metrics import MetricsLogger
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime

@@ -15,7 +15,7 @@ from conftest import run_dtrain, tiny_args
 from test_nonfinite import assert_finite_checkpoints, error_lines, inject, steps_of, strict_metrics
 
 from trainer.config.compose import compose
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.optim import build_optimizer, masks_on_device
 
 

@@ -26,7 +26,7 @@ from trainer.checkpoint.finite import module_state_bytes, state_bytes
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.evals import task_data
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel import STRATEGIES, make_strategy, strategy_class
 from trainer.preflight.rundir import write_config_record
 

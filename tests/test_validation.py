@@ -24,7 +24,7 @@ from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
 from trainer.io import write_errors_as_user_errors
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel import STRATEGIES, make_strategy
 from trainer.preflight.rundir import write_config_record
 from trainer.process.runtime import Runtime

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainer.model import GPT
+from trainer.model.gpt import GPT
 from trainer.muon import BatchedMuon
 
 MUON_ROLES = ("hidden",)

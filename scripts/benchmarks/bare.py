@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.data.shards import open_split
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.process.runtime import Runtime
 from trainer.process.signals import StopSignals, at_step_boundary
 from trainer.train.loop import Run

@@ -26,7 +26,7 @@ from trainer.checkpoint.selection import newest_intact
 from trainer.config.schema import from_dict
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.parallel.base import tied_aliases
 
 

@@ -46,7 +46,7 @@ from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
 from trainer.io import not_a_folder, write_atomic, write_errors_as_user_errors
 from trainer.launch.workers import run_workers
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.observe.metrics import summary_table
 from trainer.observe.results import HARNESS_FILE, HELLASWAG_RESULT_FILE
 from trainer.parallel import make_strategy, strategy_class

@@ -46,7 +46,7 @@ from trainer.evals.shards import Shards
 from trainer.evals.task_data import not_cached, uncached_data
 from trainer.io import check_writable_dir, not_a_folder, write_atomic, write_errors_as_user_errors
 from trainer.launch.workers import run_workers
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.observe.results import HARNESS_FILE, harness_table, table_console
 from trainer.preflight.rundir import read_config_record
 from trainer.process.runtime import init_runtime

@@ -22,7 +22,7 @@ from trainer.config.args import ArgParser
 from trainer.config.compose import compose
 from trainer.config.schema import requested_world
 from trainer.config.validation import validate
-from trainer.model import GPTConfig
+from trainer.model.config import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
 from trainer.plan.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size

@@ -15,13 +15,9 @@ import atexit
 import copy
 import shlex
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
@@ -31,9 +27,9 @@ from trainer.config.compose import (
     config_source,
     env_flag,
     expand_seeds,
-    hydra_args,
+    hydra_job,
     is_informational,
-    register_hydra,
+    run_hydra_app,
     split_args,
     sweep_points,
 )
@@ -61,7 +57,7 @@ def cmd_train(args: list[str]) -> None:
         if is_informational(args):
             if not any(a in ("--help", "-h", "--hydra-help") for a in args):
                 compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page
-            _hydra_main(args)  # Hydra prints the help, the info or the config; nothing runs
+            run_hydra_app(args, train_job)  # Hydra prints the help, the info or the config; nothing runs
         elif multirun:
             _sweep(args, overrides, source)
         else:
@@ -139,7 +135,7 @@ def run_app(args: list[str], job=None):
             outcome.append(err)
 
     with env_flag("HYDRA_FULL_ERROR", "1"):
-        _hydra_main(args, task)
+        run_hydra_app(args, task)
     if outcome and isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0] if outcome else None
@@ -151,26 +147,10 @@ def _sweep(args: list[str], overrides: list[str], source) -> None:
     args, sweep_dir = pin_sweep_dir(args)  # where the points go, known up front
     with holding_sweep_dir(sweep_dir):  # one sweep per folder, as one run per run directory
         try:
-            _hydra_main(args)
+            run_hydra_app(args, train_job)
         finally:
             if sweep_dir is not None:  # the sweep's table, also when a point failed or it was interrupted
                 finish_sweep(sweep_dir)
-
-
-def _hydra_main(args: list[str], task=None) -> None:
-    """hydra.main over args (`--config-path` in args wins over dtrain's conf/, as in any Hydra app)."""
-    register_hydra()
-    args = hydra_args(args)
-    source = config_source(args)
-    # Hydra reads its arguments from sys.argv; the program stays this process's own (workers spawned
-    # meanwhile carry it), and the command line is as typed again afterwards
-    typed = sys.argv
-    sys.argv = [typed[0] if typed else "dtrain", *args]
-    try:
-        hydra.main(config_path=str(source.config_path), config_name=source.config_name,
-                   version_base="1.3")(task or train_job)()
-    finally:
-        sys.argv = typed
 
 
 def _without_hydra(cfg):
@@ -189,11 +169,10 @@ def _scratch_dir() -> str:
 
 def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
+    run_dir, sweep_point = hydra_job()
     anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
-    if hydra_cfg.mode == RunMode.MULTIRUN:  # status file, summary.jsonl, skip finished / resume unfinished
-        return run_point(cfg, hydra_cfg, lambda lock: _train_point(cfg, run_dir, lock))
+    if sweep_point is not None:  # status file, summary.jsonl, skip finished / resume unfinished
+        return run_point(cfg, sweep_point, lambda lock: _train_point(cfg, run_dir, lock))
     return run_training(cfg, run_dir)["best_val_loss"]
 
 

@@ -13,20 +13,24 @@ import difflib
 import itertools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import OverrideParseException
+from hydra.errors import CompactHydraException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from trainer.config.dataset_names import HF_NAME_RESOLVER, hf_dataset_name
 from trainer.config.keys import apply_renamed_keys, run_identity
-from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, register_configs, schema_keys
+from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, schema_keys
 from trainer.errors import UserError
 
 CONFIG_NAME = "config"
@@ -213,9 +217,13 @@ def _user_error(err: Exception, overrides: list[str]) -> Exception:
     return err
 
 
+class OneLineJobError(CompactHydraException):
+    """A job's failure that Hydra records and prints as this one line, without a traceback."""
+
+
 def register_hydra() -> None:
     """The schema and dtrain's resolvers, before anything composes (hydra.main included)."""
-    register_configs()
+    ConfigStore.instance().store(name="dtrain_schema", node=Config)
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
     if not OmegaConf.has_resolver(HF_NAME_RESOLVER):  # conf/data/hf.yaml's data.name
@@ -340,3 +348,26 @@ def env_flag(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def run_hydra_app(args: list[str], task: Callable[[DictConfig], object]) -> None:
+    """hydra.main over args, calling task(cfg) for the run or each sweep point (`--config-path` in
+    args wins over dtrain's conf/, as in any Hydra app)."""
+    register_hydra()
+    args = hydra_args(args)
+    source = config_source(args)
+    # Hydra reads its arguments from sys.argv; the program stays this process's own (workers spawned
+    # meanwhile carry it), and the command line is as typed again afterwards
+    typed = sys.argv
+    sys.argv = [typed[0] if typed else "dtrain", *args]
+    try:
+        hydra.main(config_path=str(source.config_path), config_name=source.config_name, version_base="1.3")(task)()
+    finally:
+        sys.argv = typed
+
+
+def hydra_job() -> tuple[Path, DictConfig | None]:
+    """Inside run_hydra_app's task: the job's output folder, and Hydra's config when the job is one
+    point of a sweep (None for a single run)."""
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.runtime.output_dir), hydra_cfg if hydra_cfg.mode == RunMode.MULTIRUN else None

@@ -1,4 +1,5 @@
-"""The typed configuration schema, registered in Hydra's ConfigStore (the checks: trainer/config/validation.py).
+"""The typed configuration schema, registered in Hydra's ConfigStore by trainer/config/compose.py (the checks:
+trainer/config/validation.py).
 
 Every YAML file under conf/ is merged onto these dataclasses, so an unknown key or a value of the
 wrong type fails while the config is composed, before any work starts.
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainer.config.keys import apply_renamed_keys
@@ -304,11 +304,6 @@ def tracker_names(logger) -> list[str]:
     """The trackers a (validated) `logger=` value asks for, in order, once each; jsonl is none."""
     names = [logger] if isinstance(logger, str) else list(logger or [])
     return [name for name in dict.fromkeys(names) if name != "jsonl"]
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="dtrain_schema", node=Config)
 
 
 def to_dict(cfg: DictConfig) -> dict:

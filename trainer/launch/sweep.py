@@ -23,12 +23,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
-from trainer.config.compose import compose, config_source, split_args, sweep_points
+from trainer.config.compose import OneLineJobError, compose, config_source, split_args, sweep_points
 from trainer.errors import Stopped, UserError
 from trainer.io import check_writable_dir, folder_setting, write_atomic
 from trainer.observe.metrics import METRICS_FILE, TENSORBOARD_DIR
@@ -54,7 +53,7 @@ ERROR_FILE = "error.txt"
 PREVIOUS_ATTEMPT = "previous_attempt"
 
 
-class SweepPointFailed(CompactHydraException):
+class SweepPointFailed(OneLineJobError):
     """Raised by a failed point so Hydra records it as failed and prints this one line (no traceback)."""
 
 

@@ -1,8 +1,3 @@
 """The model: GPT-2's block by default, today's blocks (RoPE, RMSNorm, SwiGLU, grouped KV heads,
 QK-norm, an untied head) by configuration. config: the shape; layers: the block's pieces; gpt: the
 model assembled."""
-
-from trainer.model.config import GPTConfig
-from trainer.model.gpt import GPT, ROLES, build_model
-
-__all__ = ["GPT", "GPTConfig", "ROLES", "build_model"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from trainer.errors import ConfigError
-from trainer.model import GPT
+from trainer.model.gpt import GPT
 from trainer.optim import build_optimizer, parts, verdict
 from trainer.process.runtime import Runtime
 

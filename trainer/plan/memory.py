@@ -59,7 +59,8 @@ from torch.overrides import TorchFunctionMode
 
 from trainer.config.shape import parameter_count
 from trainer.errors import UserError
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.optim import param_groups, split_params
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel

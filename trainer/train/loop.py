@@ -22,7 +22,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
 from trainer.evals.generate import generate_text
 from trainer.evals.hellaswag import HellaSwagEval
-from trainer.model import build_model
+from trainer.model.gpt import build_model
 from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.observe.provenance import describe, what_ran
 from trainer.observe.trackers import open_trackers
