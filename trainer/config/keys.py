@@ -9,7 +9,7 @@
   trackers, progress bars. The same command with them changed continues the run (the record is
   rewritten with a line saying what changed); the losses are those of an uninterrupted run.
 
-An entry ending in "." covers a whole section. tests/test_rundir.py fails when a key of the
+An entry ending in "." covers a whole section. tests/cli/test_rundir.py fails when a key of the
 schema is in neither table (or in both). Torch-free, like the schema.
 """
 
