@@ -104,7 +104,7 @@ def test_sample_checks_its_bounds_before_it_reads_the_run(flag, value, needle, t
 
 @pytest.mark.slow  # a checkpointed run, and the command loads torch: the cases as the issue met them
 @pytest.mark.parametrize("flag,value,needle", SAMPLE_CASES[:2])
-def test_sample_of_a_run_past_its_bounds_is_one_line_at_once(flag, value, needle, trained):  # noqa: F811
+def test_sample_of_a_run_past_its_bounds_is_one_line_at_once(flag, value, needle, trained):
     line = error_line(run_dtrain(["sample", str(trained[0]), flag, value, "--device", "cpu"], timeout=HANG))
     assert f"argument {flag}: invalid value '{value}'" in line and needle in line
 

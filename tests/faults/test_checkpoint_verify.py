@@ -56,7 +56,7 @@ def resumed_from_older(reference: Path, data_dir: Path, root: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["flip middle", pytest.param("flip first bytes", marks=pytest.mark.slow),
                                   pytest.param("delete .metadata", marks=pytest.mark.slow)])
-def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, references, tmp_path_factory):  # noqa: F811
+def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, references, tmp_path_factory):
     reference = references("none")
     root = tmp_path_factory.mktemp("fallback")
     run_dir = root / "run"
@@ -82,7 +82,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, 
     assert same_weights(run_dir, older)
 
 
-def test_explicit_corrupt_checkpoint_names_the_intact_one(data_dir, references, tmp_path):  # noqa: F811
+def test_explicit_corrupt_checkpoint_names_the_intact_one(data_dir, references, tmp_path):
     ckpts = copy_whole_run(references("none"), tmp_path / "old")
     newest = ckpts / CKPT_NAMES[-1]
     expected = damage("flip middle", newest)
@@ -97,7 +97,7 @@ def test_explicit_corrupt_checkpoint_names_the_intact_one(data_dir, references, 
 
 
 @pytest.mark.parametrize("command", ["export", "sample"])
-def test_export_and_sample_refuse_a_corrupt_checkpoint(command, references, tmp_path):  # noqa: F811
+def test_export_and_sample_refuse_a_corrupt_checkpoint(command, references, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = copy_whole_run(references("none"), run_dir)
     expected = damage("flip first bytes", ckpts / CKPT_NAMES[-1])
@@ -109,7 +109,7 @@ def test_export_and_sample_refuse_a_corrupt_checkpoint(command, references, tmp_
 
 
 # --- in-process: what the marker records and what verification catches -----------------------------
-def test_marker_records_every_file(references):  # noqa: F811
+def test_marker_records_every_file(references):
     ckpt = latest_checkpoint(references("none"))
     marker = json.loads((ckpt / MARKER).read_text())
     names = sorted(p.name for p in ckpt.iterdir() if p.name != MARKER)
@@ -127,7 +127,7 @@ def test_marker_records_every_file(references):  # noqa: F811
     ("truncated shard", "truncated shard file __0_0.distcp"),
     ("flipped config", f"config.json: {CHECKSUM_ALGO} mismatch"),
 ])
-def test_verification_names_the_damaged_file(fault, expected, references, tmp_path):  # noqa: F811
+def test_verification_names_the_damaged_file(fault, expected, references, tmp_path):
     ckpt = tmp_path / "step_000008"
     shutil.copytree(latest_checkpoint(references("none")), ckpt)
     if fault == "extra file":
@@ -146,7 +146,7 @@ def test_verification_names_the_damaged_file(fault, expected, references, tmp_pa
     assert str(info.value).startswith(f"checkpoint {ckpt} is corrupt (")
 
 
-def test_checkpoint_without_checksums_still_loads(references, tmp_path, capsys):  # noqa: F811
+def test_checkpoint_without_checksums_still_loads(references, tmp_path, capsys):
     """A checkpoint from before checksums (its marker names no files) loads, with one line saying so."""
     ckpt = tmp_path / "step_000008"
     shutil.copytree(latest_checkpoint(references("none")), ckpt)

@@ -135,7 +135,7 @@ def test_prepare_force_under_a_live_run_is_refused(tmp_path):
 
 
 # --- what the checkpoint records: the run's keys, its batch, its data and tokenizer -----------------
-def test_a_deleted_run_record_is_replaced_by_the_checkpoints_own(data_dir, references, tmp_path):  # noqa: F811
+def test_a_deleted_run_record_is_replaced_by_the_checkpoints_own(data_dir, references, tmp_path):
     """The run's resolved_config.json deleted: the newest checkpoint's config.json says what the
     run was (lr 6e-4, 8 steps), so another lr or max_steps is one line naming resume=, not a
     silent continuation."""
@@ -168,7 +168,7 @@ def _unverified_and_not_json(state: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_truncated, _garbled, _unverified_and_not_json])
-def test_a_damaged_newest_record_is_checked_as_the_checkpoint_resume_loads(damage, data_dir, references,  # noqa: F811
+def test_a_damaged_newest_record_is_checked_as_the_checkpoint_resume_loads(damage, data_dir, references,
                                                                           tmp_path):
     """The newest checkpoint's trainer state damaged, the command at world 2 (global batch 1,024, the
     run's 512): resume=auto would set it aside and load step 6, so step 6's record is checked and the
@@ -184,7 +184,7 @@ def test_a_damaged_newest_record_is_checked_as_the_checkpoint_resume_loads(damag
     assert newest_resumable(ckpts).ckpt == ckpts / CKPT_NAMES[1]
 
 
-def test_no_intact_checkpoint_left_is_refused_before_anything_is_written(data_dir, references, tmp_path):  # noqa: F811
+def test_no_intact_checkpoint_left_is_refused_before_anything_is_written(data_dir, references, tmp_path):
     """Every checkpoint's trainer state damaged: no record to check a continuation against, and
     nothing resume could load; one line, nothing moved, the run's record not rewritten."""
     run_dir = tmp_path / "run"
@@ -197,7 +197,7 @@ def test_no_intact_checkpoint_left_is_refused_before_anything_is_written(data_di
     assert snapshot(run_dir) == before
 
 
-def test_another_tokenizer_under_the_same_ids_is_refused(data_dir, references, tmp_path):  # noqa: F811
+def test_another_tokenizer_under_the_same_ids_is_refused(data_dir, references, tmp_path):
     """The same shards under a manifest that names another tokenizer: the checkpoint records GPT-2's."""
     root = tmp_path / "data"
     shutil.copytree(data_dir / "corpus", root / "corpus")
@@ -239,7 +239,7 @@ def test_a_continued_run_keeps_one_summary_record(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_of_a_finished_run_with_more_steps_ends_with_one_summary(data_dir, references, tmp_path):  # noqa: F811
+def test_resume_of_a_finished_run_with_more_steps_ends_with_one_summary(data_dir, references, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(references("none"), run_dir)
     run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *RESUMED, f"resume={run_dir}"), check=True)

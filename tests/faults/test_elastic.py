@@ -30,7 +30,7 @@ def worker_pids(driver_pid: int) -> list[int]:
     return sorted(pids)
 
 
-def test_killed_worker_is_restarted_and_the_run_matches(data_dir, references, tmp_path):  # noqa: F811
+def test_killed_worker_is_restarted_and_the_run_matches(data_dir, references, tmp_path):
     reference = references("ddp")
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"

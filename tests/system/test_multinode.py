@@ -58,7 +58,7 @@ def two_hosts():
 
 
 @pytest.mark.slow
-def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):  # noqa: F811
+def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):
     reference = references("ddp")
     procs = []
     try:

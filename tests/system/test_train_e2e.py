@@ -34,7 +34,7 @@ def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_torchrun_runs_the_same_loop(data_dir, references, tmp_path):  # noqa: F811
+def test_plain_torchrun_runs_the_same_loop(data_dir, references, tmp_path):
     """torchrun's own launch of the loop tracks `dtrain train parallel=ddp world=2` (the session's
     reference run of test_checkpoint, the same command but for world=)."""
     run_dir = tmp_path / "torchrun"
