@@ -11,7 +11,7 @@ gate and up): each is orthogonalized on its own, as the matrix it is. The step w
   Newton-Schulz runs on it once with batched matmuls (bmm / baddbmm on [N, rows, cols]).
 
 So a step launches a few ops per family and per batch where stepping one matrix at a time launched
-~70 per matrix (tests/test_muon_batched.py counts them). On CUDA the two stacked pieces (momentum,
+~70 per matrix (tests/unit/test_muon_batched.py counts them). On CUDA the two stacked pieces (momentum,
 Newton-Schulz) are compiled, a few kernels each.
 
 `found_inf` (a 0-d device tensor, 1 for a step to skip) masks the step without a host sync: the

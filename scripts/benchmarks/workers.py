@@ -1,4 +1,4 @@
-"""Benchmark workers for scripts/bench.py's table and for tests/test_plan.py's measured peaks.
+"""Benchmark workers for scripts/bench.py's table and for tests/cli/test_plan.py's measured peaks.
 
 `bench_worker` builds the same `Run` as `dtrain train` and measures, on every rank:
 

@@ -49,5 +49,5 @@ Whether a continuation may go on from a checkpoint is a preflight check: trainer
 
 torch.distributed.checkpoint itself (with DTensor and sympy under it, about 0.7 s) is imported at
 the first save or restore, where it is used (manager, selection, weights, init_from): a run that
-starts fresh trains its first step without it (tests/test_startup.py).
+starts fresh trains its first step without it (tests/system/test_startup.py).
 """

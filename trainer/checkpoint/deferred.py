@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint and the checks around it (verify.py), imported at the first save,
 restore or weights read rather than with the modules that use them (manager, selection, weights,
 init_from): DCP pulls in DTensor and sympy, about 0.7 s, which a one-process run needs for nothing
-before its first save (tests/test_startup.py). trainer/parallel/base.py, a layer below, defers DCP's
+before its first save (tests/system/test_startup.py). trainer/parallel/base.py, a layer below, defers DCP's
 state-dict helpers the same way.
 """
 

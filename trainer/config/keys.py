@@ -9,7 +9,7 @@
   trackers, progress bars. The same command with them changed continues the run (the record is
   rewritten with a line saying what changed); the losses are those of an uninterrupted run.
 
-An entry ending in "." covers a whole section. tests/test_rundir.py fails when a key of the
+An entry ending in "." covers a whole section. tests/cli/test_rundir.py fails when a key of the
 schema is in neither table (or in both). Torch-free, like the schema.
 """
 
@@ -61,7 +61,7 @@ OPERATIONAL = (
 # Trajectory keys added after runs were recorded, each with the value that means what a run
 # recorded without it did. At that value a key is left out of the run folder's digest, and a record
 # that lacks it holds that value: the same command, typed again after an upgrade, finds and
-# continues the run it started before (tests/test_rundir.py).
+# continues the run it started before (tests/unit/test_run_names.py).
 ADDED_KEYS = {
     "data.text_field": "text",
     "data.mix": None,

@@ -8,7 +8,7 @@ harness's version and a fingerprint of its task folder (every YAML's path, size 
 a new file or a removed one makes a new entry), with a checksum that is verified before the file is
 unpickled. The user's --include-path folders are indexed afresh each time and override built-in
 names exactly as the harness merges them (later folders win). The result is a TaskManager whose
-index equals the one the harness builds itself (tests/test_task_index.py compares them).
+index equals the one the harness builds itself (tests/unit/test_task_index.py compares them).
 
 Where the harness's TaskManager is not the one this was written against (lm-eval before 0.4.10
 kept its index under other names), or the cache folder cannot be written, it is built as the

@@ -22,7 +22,7 @@ stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
   all-gather, and no full parameter is ever gathered.
 
 The orthogonalization is the one-process code in both; only which rank computes it changes, so the
-numbers are those of one process (tests/test_muon.py, within 1e-5). Checkpoints hold each matrix's
+numbers are those of one process (tests/parallel/test_muon.py, within 1e-5). Checkpoints hold each matrix's
 momentum whole under its parameter name, written by its owner, which is also how BatchedMuon of
 none / ddp (and the stock torch.optim.Muon before it) holds it: DCP moves it to any world size and
 mode. A step under `found_inf` (train.on_nonfinite's device-side verdict) is masked: no update,

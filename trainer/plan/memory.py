@@ -15,7 +15,7 @@ What one rank holds, in bytes:
   flight, DDP's gradient buckets, the optimizer step's temporaries.
 
 On a CPU the activation coefficients were fitted to measured peaks (scripts/bench.py, fp32, torch
-2.13: a worker's resident-set growth); tests/test_plan.py keeps the estimate within 15% of one.
+2.13: a worker's resident-set growth); tests/cli/test_plan.py keeps the estimate within 15% of one.
 
 On CUDA (`train.device=cuda`, or `dtrain plan --device cuda` from any host) the estimate is of
 `torch.cuda.max_memory_allocated` (what tensors hold; the CUDA context and the caching
@@ -43,7 +43,7 @@ a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the bloc
 
 Every case `make bench-gpu` measured (H100, torch 2.11, 2026-11-26: both models, micro batch 16 and
 32, eager, compiled, loss pieces) is within 2.5% of max_memory_allocated (docs/performance.md;
-tests/test_plan_cuda.py keeps them within 5%).
+tests/unit/test_plan_cuda.py keeps them within 5%).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _shapes(model_cfg, optim_name: str) -> _Shapes:
 class _ValuesSkipped(TorchFunctionMode):
     """torch.nn.init's fills skipped while a model is built for its shapes: a meta tensor holds no
     values, and meta normal_ (nn.Embedding's own init) is a Python reference whose first call
-    imports torch._dynamo, about a second of every run's start (tests/test_startup.py)."""
+    imports torch._dynamo, about a second of every run's start (tests/system/test_startup.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__module__", None) == "torch.nn.init":

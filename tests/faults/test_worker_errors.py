@@ -1,0 +1,81 @@
+"""A worker's user error reaches the user by kind (trainer/launch/worker_errors.py), not by its class's
+name: every kind dtrain has, and one that only a test module defines, raised in a real world-2
+worker, ends as its one `error:` line, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+
+import pytest
+from helpers import user_error_kinds
+from helpers.dtrain import REPO, dtrain_env, run_dtrain, tiny_args
+from helpers.errors import one_line_error
+from helpers.user_error_kinds import LINES, OnlyInATest
+
+import trainer
+from trainer.errors import UserError
+from trainer.launch.worker_errors import (
+    ERROR_FILE_ENV,
+    INJECT_ENV,
+    USER_ERROR_EXIT,
+    leave_with_user_error,
+    reported_user_error,
+)
+
+TESTS = REPO / "tests"
+
+
+def _kinds(cls: type) -> set[type]:
+    return {cls} | {kind for sub in cls.__subclasses__() for kind in _kinds(sub)}
+
+
+def test_every_kind_of_user_error_in_dtrain_is_covered_here():
+    """user_error_kinds.py raises every kind of user error dtrain defines (a new kind joins it)."""
+    for module in pkgutil.walk_packages(trainer.__path__, "trainer."):
+        if module.name == "trainer.__main__":
+            continue
+        try:
+            importlib.import_module(module.name)
+        except ModuleNotFoundError as err:  # an optional extra that is not installed here
+            assert not (err.name or "").startswith("trainer"), err
+    dtrain_kinds = {k.__name__ for k in _kinds(UserError) if k.__module__.startswith("trainer.")}
+    raised = {type(getattr(user_error_kinds, name)()).__name__ for name in LINES}
+    assert dtrain_kinds == raised - {OnlyInATest.__name__}
+
+
+def test_the_record_a_worker_leaves_is_read_back_by_kind(tmp_path, monkeypatch):
+    """In one process: the worker's side writes torchelastic's error file and exits 2; the
+    driver's side reads the line back from the file's data, whatever the kind's name."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
+    with pytest.raises(SystemExit) as left:
+        leave_with_user_error(OnlyInATest("only here; fix it"))
+    assert left.value.code == USER_ERROR_EXIT
+    data = json.loads(error_file.read_text())
+    assert reported_user_error(data) == "only here; fix it"
+    assert int(data["message"]["extraInfo"]["timestamp"]) > 0  # torchelastic picks the first failure by it
+    assert reported_user_error({"message": "RuntimeError: boom"}) is None
+
+
+def _raise_in_worker(data_dir, run_dir, kind: str, rank: str):
+    env = {**dtrain_env(), INJECT_ENV: f"helpers.user_error_kinds:{kind}{rank}",
+           "PYTHONPATH": f"{TESTS}:{dtrain_env().get('PYTHONPATH', REPO)}"}
+    return run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=2"), env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", ["@1", ""], ids=["rank 1", "every rank"])
+def test_a_kind_only_a_test_defines_crosses_from_a_world_2_worker(rank, data_dir, tmp_path):
+    proc = _raise_in_worker(data_dir, tmp_path / "run", "only_in_a_test", rank)
+    assert one_line_error(proc) == f"error: {LINES['only_in_a_test']}"
+    assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [k for k in LINES if k != "only_in_a_test"])
+def test_every_kind_of_user_error_crosses_from_a_world_2_worker(kind, data_dir, tmp_path):
+    proc = _raise_in_worker(data_dir, tmp_path / "run", kind, "@1")
+    assert one_line_error(proc) == f"error: {LINES[kind]}"
+    assert "Traceback" not in proc.stdout

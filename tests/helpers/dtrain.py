@@ -1,0 +1,78 @@
+"""Run `dtrain` as a user does (a subprocess of this interpreter, cwd the checkout) and read what
+it wrote: the command lines of the tiny runs the tests train, the environment, metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # tests/helpers/ -> the checkout
+TINYSHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def corpus_text() -> str:
+    """The tiny-shakespeare corpus when the shared copy is here, else generated English-like text."""
+    if TINYSHAKESPEARE.exists():
+        return TINYSHAKESPEARE.read_text()
+    import random
+
+    rng = random.Random(0)
+    words = ("the king hath spoken and my lord shall come to the court of rome where all the "
+             "people cry for bread and wine good night sweet prince").split()
+    lines = []
+    for i in range(20000):
+        lines.append(("ROMEO:" if i % 7 == 0 else "") + " ".join(rng.choice(words) for _ in range(10)))
+    return "\n".join(lines) + "\n"
+
+
+def dtrain_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["HYDRA_FULL_ERROR"] = "0"
+    return env
+
+
+def run_dtrain(args: list[str], cwd: Path | None = None, check: bool = False, timeout: float = 600,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env or dtrain_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dtrain {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A fast tiny-model training run on the session dataset."""
+    return ["train", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
+            "train.max_steps=20", "train.log_interval=1", "train.val_interval=0", "train.val_batches=2",
+            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
+            "optim.warmup_steps=5", f"hydra.run.dir={run_dir}", *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def inject(*steps: int) -> dict:
+    return {**dtrain_env(), "DTRAIN_INJECT_NONFINITE": ",".join(map(str, steps))}
+
+
+def args_with(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """tiny_args with `overrides` replacing the keys it sets (Hydra takes a key only once)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in tiny_args(data_dir, run_dir) if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
+def sweep_args(data_dir: Path, *extra: str) -> list[str]:
+    """A tiny-model sweep on the session dataset (the sweep values come in `extra`)."""
+    return ["train", "-m", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
+            "train.max_steps=6", "train.log_interval=1", "train.val_interval=3", "train.val_batches=2",
+            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
+            "optim.warmup_steps=2", *extra]

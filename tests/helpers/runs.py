@@ -1,0 +1,68 @@
+"""The shared run recipes: the 256-token reference steps every parallel mode must track, the
+checkpointed runs the fault tests resume, and their once-per-session cache (conftest.py's
+`shared_run` and `references` fixtures hand them out)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from helpers.dtrain import run_dtrain, tiny_args
+
+# The one-process run of 256-token steps (tiny model, AdamW, accumulation 4) that test_parity's
+# modes must track and test_muon's Muon must leave: made once per session for both.
+REFERENCE_STEPS = 16
+REFERENCE_BATCH = ["train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={REFERENCE_STEPS}",
+                   "optim.lr=1e-3"]
+ONE_PROCESS = ["parallel=none", "train.micro_batch_size=2"]  # the reference: accumulation 4
+# Muon's runs of the same batches (test_muon, test_compat): decay on, so fsdp's per-shard decay is
+# checked too, and a checkpoint every 4 steps, so a parity run is also a resume test's reference.
+MUON_BATCH = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", "checkpoint.interval=4"]
+# Each parallel mode at world 2 (or one process) on those 256-token steps, as test_parity,
+# test_muon and test_compat run them: micro batch x 32 tokens x world x accumulation = 256.
+MODE_RUNS = {
+    "none": ["parallel=none", "train.micro_batch_size=8"],
+    "dp": ["parallel=dp", "train.micro_batch_size=4"],
+    "ddp": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
+    "zero": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
+    "zero_torch": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
+    "fsdp": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+}
+
+
+def assert_matches_one_process(want: dict[int, float], got: dict[int, float], steps: int, case: str) -> None:
+    """Every step logged, each loss within 1e-5 of the single-process reference's."""
+    assert sorted(got) == list(range(1, steps + 1))
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"
+
+
+# The checkpointed runs the fault tests (test_checkpoint, test_checkpoint_verify, test_continuation,
+# test_elastic, test_multinode, test_train_e2e) resume or compare with.
+STEPS, INTERVAL = 8, 3
+# Accumulation on, a checkpoint every 3 steps and at the end; the global batch is
+# 4 x 64 x world x accum tokens.
+CKPT_ARGS = (f"train.max_steps={STEPS}", f"checkpoint.interval={INTERVAL}", "train.grad_accum_steps=2")
+CKPT_NAMES = ["step_000003", "step_000006", "step_000008"]  # keep=3, the default
+MODES = {  # mode -> overrides; every distributed mode at world 2
+    "none": (),
+    "ddp": ("parallel=ddp", "world=2"),
+    "zero": ("parallel=zero", "world=2", "checkpoint.async_save=true"),
+    # torch's ZeroRedundancyOptimizer: each rank saves the whole parameters it owns, by name
+    "zero_torch": ("parallel=zero_torch", "world=2"),
+    "fsdp": ("parallel=fsdp", "world=2"),
+}
+_REFERENCES: dict[str, Path] = {}
+
+
+def reference_run(mode: str, data_dir: Path, root: Path) -> Path:
+    """An uninterrupted run (cached for the session: conftest.py's `references` hands it out)."""
+    if mode not in _REFERENCES:
+        run_dir = root / f"reference_{mode}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode]), check=True)
+        _REFERENCES[mode] = run_dir
+    return _REFERENCES[mode]
+
+
+RESUMED = ("train.max_steps=9",)  # the copied run (8 steps) continues to step 9

@@ -1,0 +1,50 @@
+"""Every mode reads the same tokens per optimizer step and must track single-process losses.
+
+CPU, fp32, fixed seed, the same global batch (256 tokens per step) and data: the loss after each
+of 16 optimizer steps agrees with the single-process run to within 1e-5, for real gloo workers
+launched through torchrun's engine by `dtrain train`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.dtrain import train_losses
+from helpers.runs import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS
+
+STEPS = REFERENCE_STEPS
+
+# name -> overrides; micro batch x 32 x world x accumulation = 256 tokens in every case
+CASES = {  # the quick tier (make test) runs one case per mode
+    "none_accum1": MODE_RUNS["none"],
+    "none_accum2": ["parallel=none", "train.micro_batch_size=4"],
+    "dp": MODE_RUNS["dp"],
+    "ddp_w2": MODE_RUNS["ddp"],
+    "ddp_w2_accum2": ["parallel=ddp", "world=2", "train.micro_batch_size=2"],
+    "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
+    "ddp_w4_accum2": ["parallel=ddp", "world=4", "train.micro_batch_size=1"],
+    "zero_w2": MODE_RUNS["zero"],
+    "zero_torch_w2": MODE_RUNS["zero_torch"],
+    "fsdp_w2": MODE_RUNS["fsdp"],
+    "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
+}
+SLOW = {"none_accum2", "ddp_w2_accum2", "ddp_w4", "ddp_w4_accum2", "fsdp_w4"}
+
+
+def train(shared_run, overrides):
+    """The session's run of `overrides` on the reference's batches (test_compat checks the same runs)."""
+    run_dir, _ = shared_run(*REFERENCE_BATCH, *overrides)
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def test_reference_loss_falls(adamw_reference):
+    """The single process with accumulation 4 (micro batch 2), shared with test_muon."""
+    assert adamw_reference[STEPS] < adamw_reference[1] - 0.3
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
+def test_losses_match_single_process(case, shared_run, adamw_reference):
+    losses = train(shared_run, CASES[case])
+    worst = max(abs(losses[s] - adamw_reference[s]) for s in adamw_reference)
+    assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"

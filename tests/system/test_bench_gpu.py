@@ -1,0 +1,51 @@
+"""scripts/bench_gpu.py (`make bench-gpu`): one line and exit 2 without CUDA; its table on tiny CPU models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers.dtrain import REPO, dtrain_env
+
+
+def bench_gpu(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**dtrain_env(), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "scripts/bench_gpu.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_without_cuda_it_says_so_in_one_line_and_exits_2():
+    proc = bench_gpu()
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "no CUDA device visible" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
+    out = tmp_path / "rows.json"
+    proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1",
+                     "--json", str(out), "data=text", "data.name=corpus", f"data.dir={data_dir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"throughput", "muon", "memory", "modes", "choices"}
+    (chunks,) = [r for r in rows if r["section"] == "choices"]  # compile_mode needs compile: not tiny
+    assert "train.loss_chunks=4" in chunks["case"] and chunks["figures"]["ms"] > 0, chunks
+    measured = [r for r in rows if r["section"] == "throughput" and "figures" in r]
+    assert measured and all(r["figures"]["dtrain"]["tokens_per_s"] > 0 and r["figures"]["bare"]["ms"] > 0
+                            for r in measured)
+    modes = [r for r in rows if r["section"] == "modes"]
+    assert len(modes) == 6 and all(r["ratio"] == "ok" or "skipped" in r["dtrain"] for r in modes), modes
+    assert "dtrain on cpu, torch" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sections_and_batches_pick_the_rows(data_dir, tmp_path):
+    out = tmp_path / "rows.json"
+    proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1",
+                     "--sections", "throughput", "--batches", "2", "--json", str(out),
+                     "data=text", "data.name=corpus", f"data.dir={data_dir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["section"], r["case"]) for r in rows] == [("throughput", "tiny B=2"), ("throughput", "llama_tiny B=2")]
