@@ -37,3 +37,11 @@ def test_hydra_is_used_in_one_module():
     users = sorted(str(p.relative_to(TRAINER.parent)) for p in TRAINER.rglob("*.py")
                    if any(name == "hydra" or name.startswith("hydra.") for name in imports(p)))
     assert users == ["trainer/config/compose.py"], users
+
+
+def test_no_test_module_imports_another_or_conftest():
+    """Shared code lives in tests/helpers/ (issue 35 item 7); fixtures come from conftest.py by name."""
+    tests = TRAINER.parent / "tests"
+    for path in tests.rglob("test_*.py"):
+        wrong = {name for name in imports(path) if name.split(".")[0].startswith("test_") or name == "conftest"}
+        assert not wrong, f"{path.relative_to(tests)} imports {sorted(wrong)}"
