@@ -13,11 +13,17 @@ from trainer.compose import compose
 from trainer.config import batch_plan
 from trainer.loop import TrainState
 from trainer.model import build_model
+from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.runtime import Runtime
 
 ONE_CPU_PROCESS = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                           distributed=False)
+
+
+def one_process_optimizer(model: torch.nn.Module, cfg):
+    """cfg.optim's optimizer for `model` as parallel=none runs it in one CPU process."""
+    return build_optimizer(model, cfg.optim, make_strategy(cfg.parallel, cfg.train, ONE_CPU_PROCESS))
 
 
 class _LoaderAtStart:
@@ -34,7 +40,7 @@ def checkpointed_tiny_run(run_dir: Path, overrides: list[str], steps: int, token
     torch.manual_seed(0)
     strategy = make_strategy(cfg.parallel, cfg.train, ONE_CPU_PROCESS)
     model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, strategy)
     for _ in range(steps):
         x = torch.randint(0, 50257, (2, 16))
         model(x, torch.roll(x, -1, 1))[1].backward()

@@ -11,7 +11,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.compose import compose
 from trainer.config import to_dict
 from trainer.model import GPT, GPTConfig
-from trainer.optim import param_groups
+from trainer.optim.build import param_groups
 from trainer.parallel import strategy_class
 
 

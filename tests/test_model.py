@@ -6,7 +6,8 @@ from omegaconf import OmegaConf
 from trainer.model import GPT, GPTConfig
 from trainer.model.decode import Sampling, generate
 from trainer.model.layers import apply_rotary, rotary_tables
-from trainer.optim import lr_at, param_groups
+from trainer.optim.build import param_groups
+from trainer.optim.schedule import lr_at
 
 
 def test_gpt2_124m_parameter_count_and_hf_names():

@@ -10,20 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import run_dtrain, tiny_args
+from helpers import one_process_optimizer
 from test_nonfinite import assert_finite_checkpoints, error_lines, inject, steps_of, strict_metrics
 
 from trainer.compose import compose
 from trainer.model import build_model
-from trainer.optim import build_optimizer, masks_on_device
+from trainer.optim.build import masks_on_device
 
 
 def test_which_optimizers_mask_on_device():
     for overrides, masks in ((["optim.fused='true'"], True), (["optim=muon", "optim.fused='true'"], True),
                              (["optim.fused='false'"], False), (["optim=muon", "optim.fused='false'"], False)):
         cfg = compose(["model=tiny", *overrides])
-        optimizer = build_optimizer(build_model(cfg.model), cfg.optim, torch.device("cpu"))
+        optimizer = one_process_optimizer(build_model(cfg.model), cfg)
         assert masks_on_device(optimizer) is masks, overrides
 
 

@@ -8,7 +8,7 @@ import torch
 
 from trainer.compose import compose
 from trainer.errors import ConfigError
-from trainer.optim import adamw_kwargs
+from trainer.optim.elementwise import adamw_kwargs
 from trainer.validation import validate
 
 

@@ -9,7 +9,7 @@ from conftest import run_dtrain, tiny_args, train_losses
 from omegaconf import OmegaConf
 from test_cli_errors import assert_user_error
 
-from trainer.optim import lr_at
+from trainer.optim.schedule import lr_at
 
 
 def schedule(name: str, **extra) -> OmegaConf:

@@ -24,7 +24,8 @@ from trainer.joblog import job_log
 from trainer.metrics import MetricsLogger, ProgressView
 from trainer.model import build_model
 from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
+from trainer.optim.build import build_optimizer, describe_split, masks_on_device
+from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.provenance import describe, what_ran
 from trainer.runtime import Runtime
@@ -84,7 +85,7 @@ class Run:
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
         raw_model.loss_chunks = cfg.train.loss_chunks
         self.model = self.strategy.wrap(raw_model)
-        self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.strategy)
         self.train_loader = self._loader("train", self.plan.grad_accum_steps, shuffle=True)
         self.val_loader = None
         if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:

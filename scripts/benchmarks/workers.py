@@ -32,7 +32,7 @@ import torch
 
 from trainer.loop import Run, StepLog
 from trainer.model import build_model
-from trainer.optim import lr_at, set_lr
+from trainer.optim.schedule import lr_at, set_lr
 from trainer.runtime import Runtime
 
 from .harness import on_every_rank, step_bookkeeping, sync
