@@ -43,7 +43,13 @@ from trainer.parallel import strategy_class
 from trainer.validation import validate
 
 STEPS, INTERVAL = REFERENCE_STEPS, 4
-LION_BATCH = ["optim=lion", *REFERENCE_BATCH, f"checkpoint.interval={INTERVAL}"]
+# The reference batches at Lion's lr: 3e-4, AdamW's 1e-3 / 3.3 (the paper: 3-10x smaller). Each Lion
+# step moves a weight by +-lr, so where beta1 m + (1 - beta1) g of an element is at rounding level,
+# a gradient summed in another order (accumulation, all-reduce) flips that element's step by 2 lr.
+# Measured at 1e-3: dp, ddp and fsdp 1.6e-5 to 1.7e-5 from one process (from step 9); at 3e-4 and
+# 1e-4 within 2e-6 (the loss logged to 1e-6).
+LION_BATCH = ["optim=lion", *(arg for arg in REFERENCE_BATCH if not arg.startswith("optim.lr=")), "optim.lr=3e-4",
+              f"checkpoint.interval={INTERVAL}"]
 CASES = {mode: MODE_RUNS[mode] for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp")}
 
 
@@ -157,7 +163,7 @@ def test_first_line_names_lion(runs):
 def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
     losses = train_losses(runs("reference")[0])
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[STEPS] < losses[1] - 0.3, losses
+    assert losses[STEPS] < losses[1] - 0.2, losses  # 0.30 measured at lr 3e-4
     assert max(abs(losses[step] - adamw_reference[step]) for step in losses) > 1e-2, (losses, adamw_reference)
 
 

@@ -171,8 +171,8 @@ class ZeroStrategy(DDPStrategy):
     # The elementwise optimizer's state of each parameter (each tensor shaped like it) is a
     # DTensor sharded by rows over all ranks (the same layout as FSDP's), under the parameter's
     # name: DCP writes each rank's rows once and reads them back at any world size and into any
-    # mode; scalars (a step count) are the same on every rank. Muon's momentum (optim=muon) is whole, by
-    # name, from its owner (trainer/parallel/muon.py).
+    # mode; scalars (a step count) are the same on every rank. Muon's momentum (optim=muon) is
+    # whole, by name, from its owner (trainer/parallel/muon.py).
     def _named_pairs(self, model, zero: ZeroOptimizer):
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
         return [(names[id(p)], p, shard) for p, shard in zip(zero.params, zero.shards)]
