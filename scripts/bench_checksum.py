@@ -43,6 +43,7 @@ from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import batch_plan  # noqa: E402
 from trainer.io import write_durable  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
+from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 from trainer.process.runtime import Runtime  # noqa: E402
 from trainer.train.loop import TrainState  # noqa: E402
@@ -52,7 +53,7 @@ def build(cfg, rt):
     torch.manual_seed(0)
     strategy = make_strategy(cfg.parallel, cfg.train, rt)
     model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, strategy)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()  # allocates AdamW's state (exp_avg, exp_avg_sq) for every parameter

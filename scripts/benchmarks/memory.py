@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.optim import parts
+from trainer.optim.build import parts
 
 
 def _status_kib() -> dict[str, int]:

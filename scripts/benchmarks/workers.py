@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from trainer.model.gpt import build_model
-from trainer.optim import lr_at, set_lr
+from trainer.optim.schedule import lr_at, set_lr
 from trainer.process.runtime import Runtime
 from trainer.train.loop import Run, StepLog
 

@@ -9,7 +9,7 @@ from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
-from trainer.optim import lr_at
+from trainer.optim.schedule import lr_at
 
 
 def schedule(name: str, **extra) -> OmegaConf:

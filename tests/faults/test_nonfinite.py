@@ -21,6 +21,7 @@ from trainer.config.schema import batch_plan, from_dict
 from trainer.errors import NonFiniteError
 from trainer.model.gpt import build_model
 from trainer.observe.metrics import MetricsLogger
+from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
 from trainer.train.loop import TrainState
@@ -143,7 +144,7 @@ def _nan_checkpoint(run_dir: Path, monkeypatch) -> None:
     rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
     strategy = make_strategy(cfg.parallel, cfg.train, rt)
     model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, strategy)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
     loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "shard_pos": 0, "token_offset": 0})

@@ -10,21 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.checkpoints import assert_finite_checkpoints, steps_of, strict_metrics
+from helpers.checkpoints import assert_finite_checkpoints, one_process_optimizer, steps_of, strict_metrics
 from helpers.dtrain import inject, run_dtrain, tiny_args
 from helpers.errors import error_lines
 
 from trainer.config.compose import compose
 from trainer.model.gpt import build_model
-from trainer.optim import build_optimizer, masks_on_device
+from trainer.optim.build import masks_on_device
 
 
 def test_which_optimizers_mask_on_device():
     for overrides, masks in ((["optim.fused='true'"], True), (["optim=muon", "optim.fused='true'"], True),
                              (["optim.fused='false'"], False), (["optim=muon", "optim.fused='false'"], False)):
         cfg = compose(["model=tiny", *overrides])
-        optimizer = build_optimizer(build_model(cfg.model), cfg.optim, torch.device("cpu"))
+        optimizer = one_process_optimizer(build_model(cfg.model), cfg)
         assert masks_on_device(optimizer) is masks, overrides
 
 

@@ -21,6 +21,7 @@ from trainer.checkpoint.weights import model_from_run
 from trainer.config.compose import compose
 from trainer.config.schema import batch_plan
 from trainer.model.gpt import build_model
+from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
 from trainer.train.loop import TrainState
@@ -34,6 +35,11 @@ class _LoaderAtStart:
 
     def state_dict(self):
         return {"epoch": 0, "shard_pos": 0, "token_offset": 0}
+
+
+def one_process_optimizer(model: torch.nn.Module, cfg):
+    """cfg.optim's optimizer for `model` as parallel=none runs it in one CPU process."""
+    return build_optimizer(model, cfg.optim, make_strategy(cfg.parallel, cfg.train, ONE_CPU_PROCESS))
 
 
 def checkpointed_tiny_run(run_dir: Path, overrides: list[str], steps: int, tokens_per_step: int):

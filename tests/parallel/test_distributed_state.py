@@ -12,7 +12,7 @@ from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.optim import param_groups
+from trainer.optim.build import param_groups
 from trainer.parallel import strategy_class
 
 

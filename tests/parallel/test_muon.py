@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.checkpoints import loss_records, same_weights
+from helpers.checkpoints import loss_records, one_process_optimizer, same_weights
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.processes import (
     STOP_LINE,
@@ -33,8 +33,8 @@ from helpers.runs import MODE_RUNS, MUON_BATCH, ONE_PROCESS, REFERENCE_STEPS, as
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
 from trainer.model.gpt import build_model
-from trainer.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
-from trainer.optim import build_optimizer, parts, split_params
+from trainer.optim.build import parts, split_params
+from trainer.optim.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
 from trainer.parallel.muon import assign_owners
 from trainer.plan.memory import estimate
 
@@ -79,7 +79,7 @@ def test_the_split_is_by_role(model, n_muon):
     assert ("lm_head.weight" in names) == (model == "llama_tiny")  # GPT-2's head is the tied embedding
     assert all(p.dim() == 1 or not n.startswith("transformer.h.") for n, p in adamw)
     assert len(muon) + len(adamw) == len(list(net.parameters()))
-    optimizer = build_optimizer(net, cfg.optim, torch.device("cpu"))
+    optimizer = one_process_optimizer(net, cfg)
     kinds = [type(p).__name__ for p in parts(optimizer)]
     assert kinds == ["BatchedMuon", "AdamW"]
     assert parts(optimizer)[0].ns_dtype == torch.float32  # ns_dtype=auto on CPU
@@ -88,7 +88,7 @@ def test_the_split_is_by_role(model, n_muon):
 
 def test_bfloat16_newton_schulz_is_the_stock_iteration():
     cfg = config("optim.muon.ns_dtype=bfloat16")
-    optimizer = build_optimizer(build_model(cfg.model), cfg.optim, torch.device("cpu"))
+    optimizer = one_process_optimizer(build_model(cfg.model), cfg)
     assert type(parts(optimizer)[0]) is BatchedMuon and parts(optimizer)[0].ns_dtype == torch.bfloat16
     from torch.optim._muon import _zeropower_via_newtonschulz  # private: checked here only
     x = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))

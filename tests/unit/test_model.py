@@ -7,7 +7,8 @@ from trainer.model.config import GPTConfig
 from trainer.model.decode import Sampling, generate
 from trainer.model.gpt import GPT
 from trainer.model.layers import apply_rotary, rotary_tables
-from trainer.optim import lr_at, param_groups
+from trainer.optim.build import param_groups
+from trainer.optim.schedule import lr_at
 
 
 def test_gpt2_124m_parameter_count_and_hf_names():

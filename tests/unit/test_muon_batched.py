@@ -1,4 +1,4 @@
-"""Muon's batched step (trainer/muon.py): the same numbers as Newton-Schulz applied to each part on
+"""Muon's batched step (trainer/optim/muon.py): the same numbers as Newton-Schulz applied to each part on
 its own, the split of fused weights into the matrices they hold (GPT-2's q, k, v; Llama's grouped
 KV heads and SwiGLU's gate and up), the per-shape lr rule against torch's, the step masked by a
 device-side verdict, checkpoints of the stock optimizer loading, and the number of ops one step
@@ -12,12 +12,13 @@ import math
 
 import pytest
 import torch
+from helpers.checkpoints import one_process_optimizer
 from torch.profiler import ProfilerActivity, profile
 
 from trainer.config.compose import compose
 from trainer.model.gpt import build_model
-from trainer.muon import NS_COEFFICIENTS, BatchedMuon, lr_ratio
-from trainer.optim import build_optimizer, muon_parts, parts, split_params
+from trainer.optim.build import muon_parts, parts, split_params
+from trainer.optim.muon import NS_COEFFICIENTS, BatchedMuon, lr_ratio
 
 # gpt2_124m's blocks (12 layers, so its 48 hidden matrices) at a width a test can afford: the stacks
 # and the number of ops depend on the count and the equalities of the shapes, not their size.
@@ -54,7 +55,7 @@ def model_and_muon(overrides, *extra):
     cfg = compose([*overrides, "optim=muon", *extra])
     torch.manual_seed(0)
     net = build_model(cfg.model)
-    optimizer = build_optimizer(net, cfg.optim, torch.device("cpu"))
+    optimizer = one_process_optimizer(net, cfg)
     return cfg, net, optimizer
 
 

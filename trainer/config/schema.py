@@ -32,8 +32,8 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("auto", "bf16", "fp32")
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim.py lr_at
+OPTIMIZERS = ("adamw", "muon", "lion")  # trainer/optim/elementwise.py ELEMENTWISE, and muon
+SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim/schedule.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
 # `logger=` names: experiment trackers beside metrics.jsonl (trainer/observe/trackers.py); `jsonl` alone means
@@ -151,7 +151,7 @@ class MuonConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest)
+    name: str = "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest) | lion
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 10
@@ -159,9 +159,9 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: the share of max_steps in the final decay
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    eps: float = 1e-8  # AdamW's (Lion has none)
     grad_clip: float = 1.0  # 0 disables clipping
-    fused: str = "auto"  # auto | true | false  (auto: fused on CUDA)
+    fused: str = "auto"  # auto | true | false  (auto: fused on CUDA); AdamW's fused kernel
     muon: MuonConfig = field(default_factory=MuonConfig)
 
 

@@ -272,6 +272,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
     if o.fused.lower() not in ("auto", "true", "false"):  # Hydra reads `optim.fused=true` as a bool: 'True' here
         raise ConfigError(f"optim.fused={o.fused!r} must be auto, true or false")
+    if o.name == "lion" and o.fused.lower() == "true":
+        raise ConfigError("optim.fused=true asks for AdamW's fused kernel, which optim=lion does not use; "
+                          "drop optim.fused (or set it to auto)")
     if p.mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"parallel.mixed_precision={p.mixed_precision!r} must be one of {', '.join(MIXED_PRECISION)}")
     world = 1 if cfg.world is None else cfg.world

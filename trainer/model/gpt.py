@@ -18,7 +18,7 @@ from trainer.model.kv_cache import CacheStep
 from trainer.model.layers import Block, make_norm, rotary_tables
 from trainer.model.loss import chunked_cross_entropy
 
-# What each parameter is to the optimizer (trainer/optim.py): Muon takes the hidden matrices.
+# What each parameter is to the optimizer (trainer/optim/build.py): Muon takes the hidden matrices.
 ROLES = ("hidden", "embedding", "head", "norm", "bias")
 FEW_ROWS = 32  # up to this many rows of logits, the inference head is weight @ x^T on CPU
 

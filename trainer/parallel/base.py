@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from trainer.errors import ConfigError
 from trainer.model.gpt import GPT
-from trainer.optim import build_optimizer, parts, verdict
+from trainer.optim.build import ElementwiseRun, MatrixRun, parts, verdict
 from trainer.process.runtime import Runtime
 
 
@@ -33,7 +33,7 @@ class Strategy:
     @classmethod
     def optimizer_state_numels(cls, groups: list[list[torch.Size]], world: int) -> list[int]:
         """Elements of each tensor whose optimizer state the rank holding the most keeps at `world`
-        ranks, for parameters of these shapes in parameter groups as trainer.optim.param_groups
+        ranks, for parameters of these shapes in parameter groups as trainer.optim.build.param_groups
         makes them (a partition by whole parameters depends on the groups and sizes)."""
         return [math.prod(shape) for group in groups for shape in group]
 
@@ -93,8 +93,16 @@ class Strategy:
         """The GPT inside the wrapper (for inference and for names in checkpoints)."""
         return model
 
-    def build_optimizer(self, model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-        return build_optimizer(self.unwrap(model), optim_cfg, self.rt.device)
+    # The two questions trainer.optim.build asks a mode: how to run the optimizer it chose over
+    # this mode's parameters. Here every rank holds every whole parameter and the same gradients.
+    def elementwise_optimizer(self, run: ElementwiseRun):
+        """An elementwise optimizer (trainer.optim.elementwise) over `run.groups` of this mode's parameters."""
+        return run.optimizer_class(run.groups, **run.kwargs)
+
+    def matrix_optimizer(self, run: MatrixRun):
+        """A whole-matrix optimizer (Muon) over `run.named`'s matrices: stepped whole on every replica."""
+        params = [param for _, param in run.named]
+        return run.build(params, run.row_parts)
 
     # --- one optimizer step ----------------------------------------------------------------
     def micro_step(self, model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
@@ -114,7 +122,7 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
         """Update and drop the gradients; `found_inf` (a device tensor, 1.0: no update) masks the
-        update on device (trainer.optim.masks_on_device says whether the optimizer can)."""
+        update on device (trainer.optim.build.masks_on_device says whether the optimizer can)."""
         with verdict(optimizer, found_inf):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -130,9 +138,10 @@ class Strategy:
     # --- checkpoint state (saved and loaded with torch.distributed.checkpoint) ----------------
     # Model state: {parameter name: tensor} with GPT's names, full or sharded (DTensor) as this
     # mode holds it; a tied alias (lm_head.weight = transformer.wte.weight) appears once.
-    # Optimizer state: {parameter name: {"step", "exp_avg", "exp_avg_sq": tensor}} (AdamW's) or
-    # {parameter name: {"momentum_buffer": tensor}} (Muon's, optim=muon's hidden matrices), keyed by name
-    # so it reshards across world sizes and modes. Hyperparameters come from the config.
+    # Optimizer state: {parameter name: {state key: tensor}} as the optimizer keeps it
+    # (trainer.optim.elementwise.STATE: e.g. AdamW's step, exp_avg and exp_avg_sq, or Muon's
+    # momentum_buffer), keyed by name so it reshards across world sizes and modes. Hyperparameters
+    # come from the config.
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         raw = self.unwrap(model)
         state = dcp_state().get_model_state_dict(raw)

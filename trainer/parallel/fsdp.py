@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
-from trainer.optim import Optimizers, adamw_kwargs, muon_parts, param_groups, parts, split_params
+from trainer.optim.build import parts
 from trainer.parallel.base import Strategy, row_shard_numel
 from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
 
@@ -81,17 +81,12 @@ class FSDPStrategy(Strategy):
         # Sharded gradients give a DTensor norm; its full value is the true global norm.
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def build_optimizer(self, model, optim_cfg):
-        muon, adamw = split_params(model, optim_cfg)
-        inner = torch.optim.AdamW(param_groups((p for _, p in adamw), optim_cfg.weight_decay),
-                                  **adamw_kwargs(optim_cfg, self.rt.device))
-        if not muon:
-            return inner
-        # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
-        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=True,
-                                     parts=muon_parts(model, muon)), inner])
+    # The elementwise optimizer runs on the DTensor shards as it would on whole tensors (the base
+    # class's answer); a whole-matrix one needs each matrix whole, on its owner rank.
+    def matrix_optimizer(self, run):
+        return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=True)
 
-    # --- checkpoint state: AdamW's through DCP (DTensor shards), Muon's whole by owner ---------
+    # --- checkpoint state: the elementwise optimizer's through DCP (DTensor shards), Muon's whole by owner
     @staticmethod
     def _split(optimizer) -> tuple[torch.optim.Optimizer, OwnedMuon | None]:
         found = parts(optimizer)
@@ -99,18 +94,18 @@ class FSDPStrategy(Strategy):
         return next(p for p in found if p is not muon), muon
 
     def optimizer_state_dict(self, model, optimizer):
-        adamw, muon = self._split(optimizer)
-        state = super().optimizer_state_dict(model, adamw)
+        elementwise, muon = self._split(optimizer)
+        state = super().optimizer_state_dict(model, elementwise)
         return {**state, **muon.state_dict_by_name()} if muon else state
 
     def optimizer_state_template(self, model, optimizer):
-        adamw, muon = self._split(optimizer)
-        template = super().optimizer_state_template(model, adamw)
+        elementwise, muon = self._split(optimizer)
+        template = super().optimizer_state_template(model, elementwise)
         return {**template, **muon.state_template()} if muon else template
 
     def load_optimizer_state_dict(self, model, optimizer, state):
-        adamw, muon = self._split(optimizer)
+        elementwise, muon = self._split(optimizer)
         if muon:
             muon.load_state_by_name(state)
             state = {name: entry for name, entry in state.items() if name not in muon.names}
-        super().load_optimizer_state_dict(model, adamw, state)
+        super().load_optimizer_state_dict(model, elementwise, state)

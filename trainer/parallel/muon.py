@@ -4,7 +4,7 @@ matrices for Newton-Schulz, each on one owner rank.
 Muon's step orthogonalizes the momentum of a whole matrix, so the row slices that ZeRO and FSDP
 hand each rank are not enough. Every hidden matrix gets one owner rank (largest first, each to the
 rank with the fewest elements so far: balanced by size, the same on every rank), which keeps the
-matrix's momentum whole and runs Muon's step on it: trainer/muon.py's BatchedMuon over the matrices
+matrix's momentum whole and runs Muon's step on it: trainer/optim/muon.py's BatchedMuon over the matrices
 it owns, stacked by shape, each weight's parts (q, k, v; gate, up) orthogonalized on their own.
 The owner stays per weight, balanced by size: owned by whole stack, gpt2_124m's two Newton-Schulz
 stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
@@ -12,7 +12,7 @@ stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
 - zero (replicas; DDP has all-reduced the gradients): the owner steps the model's own parameter,
   then every rank's updated matrices reach every rank in one all-gather (padded to the busiest
   rank's share). Per rank and step: receive the (W-1)/W of the hidden matrices it does not own,
-  as zero's AdamW rows cost.
+  as zero's elementwise rows cost.
 - fsdp (DTensor row shards of parameters and gradients): each rank sends its rows of a matrix's
   gradient to the owner (one all_to_all for all matrices), the owner assembles the whole gradient
   and runs Muon on a zeroed copy of the matrix with no decay, which leaves exactly the update
@@ -38,8 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from trainer.muon import BatchedMuon
-from trainer.optim import muon_group, muon_kwargs
+from trainer.optim.build import MatrixRun
 from trainer.parallel.base import load_indexed_state, row_range
 
 
@@ -61,35 +60,35 @@ def busiest_owner_numel(shapes: list, world: int) -> int:
 
 
 class OwnedMuon:
-    """Muon over matrices spread by owner. `named` are the (name, parameter) hidden
-    matrices in model order; `sharded` says whether each rank holds only rows of them (FSDP's
-    DTensors) or whole replicas (zero). `param_groups` is one group on every rank, so the loop's
-    learning rate reaches ranks that own nothing too. A step skips under `found_inf` (the
-    attribute trainer.optim.verdict sets): the owners' Muon and the shards' decay are masked."""
+    """Muon over matrices spread by owner. `run` names the optimizer (BatchedMuon), its options
+    and the (name, parameter) hidden matrices in model order; `sharded` says whether each rank
+    holds only rows of them (FSDP's DTensors) or whole replicas (zero). `param_groups` is one group
+    on every rank, so the loop's learning rate reaches ranks that own nothing too. A step skips
+    under `found_inf` (the attribute trainer.optim.build.verdict sets): the owners' Muon and the
+    shards' decay are masked."""
 
     masks_on_device = True
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], optim_cfg, *, rank: int, world: int, sharded: bool,
-                 parts: dict[nn.Parameter, tuple[int, ...]]):
+    def __init__(self, run: MatrixRun, *, rank: int, world: int, sharded: bool):
         self.rank, self.world, self.sharded = rank, world, sharded
-        self.names = [name for name, _ in named]
-        self.params = [param for _, param in named]
+        self.names = [name for name, _ in run.named]
+        self.params = [param for _, param in run.named]
         self.shapes = [tuple(param.shape) for param in self.params]
         self.owners = assign_owners([param.numel() for param in self.params], world)
         self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
-        self.weight_decay = optim_cfg.muon.weight_decay
-        kwargs = muon_kwargs(optim_cfg, self._local(0).device)
+        self.weight_decay = run.kwargs.get("weight_decay", 0.0)
+        overrides = {}
         if sharded:
             # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
             self.work = [nn.Parameter(torch.zeros(self.shapes[i], dtype=self._local(i).dtype,
                                                   device=self._local(i).device)) for i in self.mine]
-            kwargs["weight_decay"] = 0.0
+            overrides["weight_decay"] = 0.0
         else:
             self.work = [self.params[i] for i in self.mine]
-        work_parts = {work: parts[self.params[i]] for work, i in zip(self.work, self.mine)}
-        group = muon_group(self.work, optim_cfg)
-        self.inner = BatchedMuon([group], row_parts=work_parts, **kwargs) if self.work else None
-        self._idle_group = {**group, **kwargs}  # the lr's holder on a rank that owns no matrix
+        work_parts = {work: run.row_parts[self.params[i]] for work, i in zip(self.work, self.mine)}
+        self.inner = run.build(self.work, work_parts, **overrides) if self.work else None
+        # the lr's holder on a rank that owns no matrix
+        self._idle_group = {**run.group, **run.kwargs, **overrides, "params": []}
 
     @property
     def param_groups(self) -> list[dict]:

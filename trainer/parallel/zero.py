@@ -1,4 +1,4 @@
-"""parallel=zero: DDP plus ZeRO stage 1 (each rank keeps AdamW's state for 1/world of every parameter).
+"""parallel=zero: DDP plus ZeRO stage 1 (each rank keeps the optimizer's state for 1/world of every parameter).
 
 Why not torch's ZeroRedundancyOptimizer: it gives each rank whole parameters, so one tensor larger
 than 1/world of the model (GPT's tied 50257-row embedding is 40-97% of the small models) decides
@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.optim import Optimizers, adamw_kwargs, muon_parts, param_groups, parts, split_params
+from trainer.optim.build import parts
+from trainer.optim.elementwise import empty_state
 from trainer.parallel.base import load_indexed_state, row_range, row_shard_numel
 from trainer.parallel.ddp import DDPStrategy
 from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
@@ -26,10 +27,10 @@ from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
 class ZeroOptimizer:
     """ZeRO stage 1 after DDP's gradient all-reduce.
 
-    Rank r runs the inner optimizer (AdamW, parameter groups as given) on its rows of every
-    parameter: views of the model's own parameters and gradients, so nothing is copied on the way
-    in. After the update each rank all-gathers the others' rows, bucket by bucket, so every replica
-    holds the same weights again. AdamW is elementwise, so the steps match DDP's.
+    Rank r runs the inner optimizer (an elementwise one, parameter groups as given) on its rows of
+    every parameter: views of the model's own parameters and gradients, so nothing is copied on the
+    way in. After the update each rank all-gathers the others' rows, bucket by bucket, so every
+    replica holds the same weights again. The optimizer is elementwise, so the steps match DDP's.
     """
 
     def __init__(self, groups, optimizer_class, *, rank: int, world: int, bucket_numel: int, **defaults):
@@ -148,25 +149,17 @@ class ZeroStrategy(DDPStrategy):
         owned = busiest_owner_numel(shapes, world)
         return owned, (world + 1) * owned
 
-    def build_optimizer(self, model, optim_cfg):
-        raw = self.unwrap(model)
-        element = next(raw.parameters()).element_size()
+    def elementwise_optimizer(self, run):
+        params = [param for group in run.groups for param in group["params"]]
+        element = params[0].element_size()
         # The checkpoint's DTensors live on this mesh; made here, where every rank passes in step.
         self._device_mesh = init_device_mesh(self.rt.device.type, (self.rt.world,))
-        muon, adamw = split_params(raw, optim_cfg)
-        zero = ZeroOptimizer(
-            param_groups((p for _, p in adamw), optim_cfg.weight_decay),
-            torch.optim.AdamW,
-            rank=self.rt.rank,
-            world=self.rt.world,
-            bucket_numel=max(1, int(self.cfg.bucket_cap_mb * 2**20 / element)),
-            **adamw_kwargs(optim_cfg, self.rt.device),
-        )
-        if not muon:
-            return zero
-        # optim=muon: whole hidden matrices by owner rank (trainer/parallel/muon.py).
-        return Optimizers([OwnedMuon(muon, optim_cfg, rank=self.rt.rank, world=self.rt.world, sharded=False,
-                                     parts=muon_parts(raw, muon)), zero])
+        return ZeroOptimizer(run.groups, run.optimizer_class, rank=self.rt.rank, world=self.rt.world,
+                             bucket_numel=max(1, int(self.cfg.bucket_cap_mb * 2**20 / element)), **run.kwargs)
+
+    def matrix_optimizer(self, run):
+        # Whole hidden matrices by owner rank (trainer/parallel/muon.py).
+        return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=False)
 
     @staticmethod
     def _split(optimizer) -> tuple[ZeroOptimizer, OwnedMuon | None]:
@@ -175,10 +168,11 @@ class ZeroStrategy(DDPStrategy):
         return zero, next((p for p in found if isinstance(p, OwnedMuon)), None)
 
     # --- checkpoint state ------------------------------------------------------------------
-    # AdamW's state of each parameter is a DTensor sharded by rows over all ranks (the same
-    # layout as FSDP's), under the parameter's name: DCP writes each rank's rows once and reads
-    # them back at any world size and into any mode. Muon's momentum (optim=muon) is whole, by
-    # name, from its owner (trainer/parallel/muon.py).
+    # The elementwise optimizer's state of each parameter (each tensor shaped like it) is a
+    # DTensor sharded by rows over all ranks (the same layout as FSDP's), under the parameter's
+    # name: DCP writes each rank's rows once and reads them back at any world size and into any
+    # mode; scalars (a step count) are the same on every rank. Muon's momentum (optim=muon) is
+    # whole, by name, from its owner (trainer/parallel/muon.py).
     def _named_pairs(self, model, zero: ZeroOptimizer):
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
         return [(names[id(p)], p, shard) for p, shard in zip(zero.params, zero.shards)]
@@ -187,28 +181,25 @@ class ZeroStrategy(DDPStrategy):
         return DTensor.from_local(local, self._device_mesh, [Shard(0)], run_check=False,
                                   shape=param.shape, stride=param.stride())
 
+    def _as_rows(self, entry: dict, param: nn.Parameter, shard: nn.Parameter) -> dict:
+        """A parameter's state with each tensor of its shard's shape as that parameter's rows."""
+        return {key: self._sharded(value, param) if value.shape == shard.shape else value
+                for key, value in entry.items()}
+
     def optimizer_state_dict(self, model, optimizer):
         zero, muon = self._split(optimizer)
         state = muon.state_dict_by_name() if muon else {}
         for name, param, shard in self._named_pairs(model, zero):
             entry = zero.state.get(shard)
             if entry:
-                state[name] = {
-                    "step": entry["step"],
-                    "exp_avg": self._sharded(entry["exp_avg"], param),
-                    "exp_avg_sq": self._sharded(entry["exp_avg_sq"], param),
-                }
+                state[name] = self._as_rows(entry, param, shard)
         return state
 
     def optimizer_state_template(self, model, optimizer):
         zero, muon = self._split(optimizer)
         template = muon.state_template() if muon else {}
-        for name, param, shard in self._named_pairs(model, zero):  # AdamW's state, this rank's rows
-            template[name] = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": self._sharded(torch.zeros_like(shard.detach()), param),
-                "exp_avg_sq": self._sharded(torch.zeros_like(shard.detach()), param),
-            }
+        for name, param, shard in self._named_pairs(model, zero):  # this rank's rows
+            template[name] = self._as_rows(empty_state(zero.optim, shard.detach()), param, shard)
         return template
 
     def load_optimizer_state_dict(self, model, optimizer, state):

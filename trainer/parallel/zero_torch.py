@@ -1,4 +1,5 @@
-"""parallel=zero_torch: DDP plus torch's ZeroRedundancyOptimizer (each rank keeps AdamW's state for whole parameters).
+"""parallel=zero_torch: DDP plus torch's ZeroRedundancyOptimizer (each rank keeps the optimizer's state for whole
+parameters).
 
 Why it exists next to parallel=zero: users following PyTorch's ZeRO primer (DDP +
 torch.distributed.optim.ZeroRedundancyOptimizer) ask for the stock component, to compare with it
@@ -9,7 +10,7 @@ against 0.50 under `zero`). `dtrain plan` shows that largest rank.
 
 Checkpoints: ZeroRedundancyOptimizer.state_dict() needs consolidate_state_dict() (every rank's state
 gathered on one), and DCP's get_state_dict refuses an unconsolidated one. Here instead each rank
-puts into the checkpoint the AdamW state of the parameters it owns, by parameter name and as full
+puts into the checkpoint the optimizer state of the parameters it owns, by parameter name and as full
 tensors: DCP's metadata is the union of the ranks' keys and each key is written once, by its
 owner. On load each rank asks only for the names it owns under this run's partition, so the state
 moves by name across world sizes and to and from ddp, zero and fsdp (DCP reads a key from whichever
@@ -23,18 +24,8 @@ import math
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from trainer.muon import BatchedMuon
-from trainer.optim import (
-    STATE_KEYS,
-    Optimizers,
-    adamw_kwargs,
-    muon_group,
-    muon_kwargs,
-    muon_parts,
-    param_groups,
-    parts,
-    split_params,
-)
+from trainer.optim.build import parts
+from trainer.optim.elementwise import empty_state
 from trainer.parallel.base import load_indexed_state
 from trainer.parallel.ddp import DDPStrategy
 
@@ -58,30 +49,22 @@ class ZeroTorchStrategy(DDPStrategy):
 
     @classmethod
     def muon_numels(cls, shapes, world):
-        # Muon's own ZeroRedundancyOptimizer partitions the matrices as AdamW's does its group.
+        # Muon's own ZeroRedundancyOptimizer partitions the matrices as the elementwise one does its group.
         return sum(cls.optimizer_state_numels([shapes], world)), 0
 
-    def build_optimizer(self, model, optim_cfg):
-        muon, adamw = split_params(self.unwrap(model), optim_cfg)
-        inner = ZeroRedundancyOptimizer(
-            param_groups((p for _, p in adamw), optim_cfg.weight_decay),
-            optimizer_class=torch.optim.AdamW,
-            **adamw_kwargs(optim_cfg, self.rt.device),
-        )
-        if not muon:
-            return inner
-        # optim=muon: ZeroRedundancyOptimizer partitions whole parameters, so each rank's Muon sees
-        # whole matrices, steps its share as stacks and broadcasts them after its step, as for AdamW.
-        return Optimizers([ZeroRedundancyOptimizer([muon_group([p for _, p in muon], optim_cfg)],
-                                                   optimizer_class=BatchedMuon,
-                                                   row_parts=muon_parts(self.unwrap(model), muon),
-                                                   **muon_kwargs(optim_cfg, self.rt.device)),
-                           inner])
+    def elementwise_optimizer(self, run):
+        return ZeroRedundancyOptimizer(run.groups, optimizer_class=run.optimizer_class, **run.kwargs)
+
+    def matrix_optimizer(self, run):
+        # ZeroRedundancyOptimizer partitions whole parameters, so each rank's Muon sees whole
+        # matrices, steps its share as stacks and broadcasts them after its step, as for the rest.
+        return ZeroRedundancyOptimizer([{**run.group, "params": [param for _, param in run.named]}],
+                                       optimizer_class=run.optimizer_class, row_parts=run.row_parts, **run.kwargs)
 
     # --- checkpoint state: this rank's parameters, whole, by name -----------------------------
     def _owned(self, model, optimizer) -> list[tuple[str, torch.nn.Parameter, torch.optim.Optimizer]]:
-        """(name, parameter, local optimizer) for the parameters this rank's local AdamW / Muon
-        updates, in their order."""
+        """(name, parameter, local optimizer) for the parameters this rank's local optimizers
+        (elementwise, Muon) update, in their order."""
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
         return [(names[id(p)], p, zero.optim) for zero in parts(optimizer)
                 for group in zero.optim.param_groups for p in group["params"]]
@@ -90,13 +73,8 @@ class ZeroTorchStrategy(DDPStrategy):
         return {name: dict(local.state[p]) for name, p, local in self._owned(model, optimizer) if local.state.get(p)}
 
     def optimizer_state_template(self, model, optimizer):
-        # The state the local optimizer (AdamW or Muon) keeps, for the parameters this rank owns.
-        template = {}
-        for name, param, local in self._owned(model, optimizer):
-            keys = STATE_KEYS[type(local).__name__]
-            template[name] = {key: torch.zeros((), dtype=torch.float32) if key == "step"
-                              else torch.zeros_like(param.detach()) for key in keys}
-        return template
+        # The state the local optimizer (elementwise or Muon) keeps, for the parameters this rank owns.
+        return {name: empty_state(local, param.detach()) for name, param, local in self._owned(model, optimizer)}
 
     def load_optimizer_state_dict(self, model, optimizer, state):
         owned = self._owned(model, optimizer)

@@ -2,8 +2,9 @@
 
 What one rank holds, in bytes:
 
-* parameters, gradients and AdamW state (exp_avg + exp_avg_sq + a step counter per tensor),
-  full or sharded as the mode keeps them. The strategy classes say how (trainer/parallel/):
+* parameters, gradients and optimizer state (AdamW: exp_avg + exp_avg_sq + a step counter per
+  tensor; each elementwise optimizer's in trainer/optim/elementwise.py), full or sharded as the
+  mode keeps them. The strategy classes say how (trainer/parallel/):
   a mode that shards parameters (FSDP) splits parameters and gradients along dim 0 in chunks of
   ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world; each
   mode's `optimizer_state_numels` gives what its busiest rank keeps of the optimizer state (row
@@ -61,7 +62,8 @@ from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.optim import param_groups, split_params
+from trainer.optim.build import param_groups, split_params
+from trainer.optim.elementwise import elementwise_of
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
 
@@ -104,11 +106,13 @@ def host_memory() -> int:
 def model_state_floor(cfg, strategy: type[Strategy], world: int) -> int:
     """Bytes of fp32 weights, gradients and optimizer state that the busiest of `world` ranks holds
     at least in `strategy`'s mode: estimate()'s params + grads + optim, from the parameter count
-    alone (an even split where the mode shards, AdamW's two moments a parameter, or Muon's one).
+    alone (an even split where the mode shards, the fewest state tensors a parameter has: AdamW's
+    two moments, Lion's or Muon's one).
     No model is built, not even on the meta device, whose first build imports torch._dynamo (a
     second more at every run's start), and a model too large to build is answered too."""
     count = parameter_count(cfg.model)
-    optim_per_param = 4 if cfg.optim.name == "muon" else 8  # Muon's hidden matrices keep one buffer
+    tensors = len(elementwise_of(cfg.optim).state.tensors)
+    optim_per_param = 4 * (min(tensors, 1) if cfg.optim.name == "muon" else tensors)  # Muon keeps one buffer
     weights_and_grads = 2 * 4 * (math.ceil(count / world) if strategy.shards_parameters else count)
     shards_state = strategy.shards_parameters or strategy.shards_optimizer_state
     return weights_and_grads + optim_per_param * (math.ceil(count / world) if shards_state else count)
@@ -142,17 +146,17 @@ CUDA_RUNTIME = 1024**3  # CUDA context, cuBLAS/NCCL workspaces, caching-allocato
 class Estimate:
     """Per-rank bytes. `peak` is the larger of two moments of a step:
     backward's start (activations live, gradients only where they persist: DDP/ZeRO buckets) and
-    the optimizer step (all gradients, AdamW's temporaries, no activations)."""
+    the optimizer step (all gradients, the optimizer's temporaries, no activations)."""
 
     mode: str
     world: int
     micro_batch: int
     params: int  # held between steps (the local shard under FSDP)
     grads: int  # at their largest (right after backward)
-    optim: int  # AdamW state held by this rank
+    optim: int  # optimizer state held by this rank
     activations: int  # kept for backward at its start, the language-model head included
     gathered: int  # FSDP: unsharded units in flight (the root, with the tied embedding, and blocks)
-    temporaries: int  # optimizer step: AdamW's per-tensor temporaries for the largest tensor
+    temporaries: int  # optimizer step: the per-tensor temporaries for the largest tensor
     runtime: int  # the process itself (not tensors)
     grads_persist: bool  # gradients stay allocated across steps (DDP's bucket views)
 
@@ -261,11 +265,13 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
     # --- model state per rank -------------------------------------------------------------------
-    # AdamW's exp_avg and exp_avg_sq for the tensors (or rows) the busiest rank keeps, and a step
-    # counter per tensor; with optim=muon the hidden matrices instead keep Muon's one momentum
-    # buffer each (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
+    # The elementwise optimizer's state tensors (AdamW's exp_avg and exp_avg_sq, Lion's exp_avg) for
+    # the tensors (or rows) the busiest rank keeps, and its scalars (AdamW's step counter) per
+    # tensor; with optim=muon the hidden matrices instead keep Muon's one momentum buffer each
+    # (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
+    elementwise = elementwise_of(cfg.optim)
     held = strategy.optimizer_state_numels([list(group) for group in shapes.adamw_groups], world)
-    o_b = 2 * sum(held) * fp32 + 4 * len(held)
+    o_b = len(elementwise.state.tensors) * sum(held) * fp32 + 4 * len(elementwise.state.scalars) * len(held)
     muon_buffers = 0
     if shapes.muon:
         kept, muon_buffers = strategy.muon_numels(list(shapes.muon), world)
@@ -292,9 +298,10 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     else:
         p_b = g_b = n_total * fp32
         largest = max(math.prod(p) for p in params)
-    # AdamW's sqrt(v) and its scaled copy, one tensor at a time (CUDA's fused AdamW makes none); or
-    # Muon's step (they run in turn)
-    temporaries = max(0 if device_type == "cuda" else 2 * largest, muon_buffers) * fp32
+    # The elementwise step's copies of one tensor at a time (AdamW's sqrt(v) and its scaled copy,
+    # none in CUDA's fused AdamW; Lion's interpolation); or Muon's step (they run in turn)
+    copies = elementwise.step_copies["cuda" if device_type == "cuda" else "cpu"]
+    temporaries = max(copies * largest, muon_buffers) * fp32
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     return Estimate(mode, world, micro_batch, p_b, g_b, o_b, activations, gathered, temporaries, runtime,
                     strategy.keeps_gradient_buckets)

@@ -26,7 +26,8 @@ from trainer.model.gpt import build_model
 from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.observe.provenance import describe, what_ran
 from trainer.observe.trackers import open_trackers
-from trainer.optim import describe_split, lr_at, masks_on_device, set_lr
+from trainer.optim.build import build_optimizer, describe_split, masks_on_device
+from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.process.joblog import job_log
 from trainer.process.runtime import Runtime
@@ -87,7 +88,7 @@ class Run:
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
         raw_model.loss_chunks = cfg.train.loss_chunks
         self.model = self.strategy.wrap(raw_model)
-        self.optimizer = self.strategy.build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.strategy)
         self.mix_weights = mixture_weights(cfg.data)  # None: one dataset
         sources = source_configs(cfg.data) or {cfg.data.name: cfg.data}
         self.train_loader = self._mixture_loader(sources) if self.mix_weights else self._loader(

@@ -1,32 +1,84 @@
-"""The optimizers (AdamW alone, or Muon on the hidden matrices and AdamW on the rest) and the
-warmup + cosine learning-rate schedule.
+"""Building the run's optimizer: the elementwise one (AdamW, Lion) alone, or Muon on the hidden
+matrices and AdamW on the rest.
 
 Which parameter goes to which optimizer is decided here once, by its role (GPT.param_role): Muon
 orthogonalizes updates of the blocks' 2-D matrices, where that helps; embeddings, the output head,
-norms and biases are not matrices of that kind and stay on AdamW. Every mode builds its optimizers
-from `split_params`, and the run's first line shows the split (`describe_split`).
+norms and biases are not matrices of that kind and stay on the elementwise optimizer. What to run
+is decided here too (class, parameter groups, keyword arguments); how it runs over the mode's
+parameters is the Strategy's answer to two questions (`build_optimizer`):
+
+- elementwise_optimizer(Elementwise run): every element from its own gradient and state, so over
+  whole tensors (none, dp, ddp), ZeRO-1's rows, ZeroRedundancyOptimizer's whole parameters or
+  FSDP's DTensor shards alike;
+- matrix_optimizer(Matrix run): Muon needs each whole matrix (batched on every replica, or owned
+  by one rank under zero and fsdp).
+
+The run's first line shows the split (`describe_split`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from trainer.model.gpt import GPT
-from trainer.muon import BatchedMuon
+from trainer.optim.elementwise import elementwise_of
+from trainer.optim.muon import BatchedMuon
 
 MUON_ROLES = ("hidden",)
-# What each optimizer keeps per parameter (checkpoint templates, the memory plan's state count).
-STATE_KEYS = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "BatchedMuon": ("momentum_buffer",)}
+
+
+@dataclass
+class ElementwiseRun:
+    """An elementwise optimizer to run: `optimizer_class(groups, **kwargs)` on one replica."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    groups: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class MatrixRun:
+    """A whole-matrix optimizer to run (Muon) over the (name, matrix) pairs `named`, in one group
+    with the options `group`; `row_parts` holds the row widths of the matrices each parameter
+    holds side by side (q, k, v; gate, up)."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    named: list[tuple[str, nn.Parameter]]
+    group: dict[str, Any]
+    kwargs: dict[str, Any]
+    row_parts: dict[nn.Parameter, tuple[int, ...]]
+
+    def build(self, params: list[nn.Parameter], row_parts: dict[nn.Parameter, tuple[int, ...]], **overrides):
+        """The optimizer over `params` (the matrices themselves, or whole copies of them)."""
+        return self.optimizer_class([{**self.group, "params": params}], row_parts=row_parts,
+                                    **{**self.kwargs, **overrides})
+
+
+def build_optimizer(model: nn.Module, optim_cfg, strategy):
+    """The run's optimizer, run as `strategy` runs optimizers: the elementwise one alone, or
+    Optimizers([Muon, AdamW]) for optim=muon."""
+    raw, device = strategy.unwrap(model), strategy.rt.device
+    muon, rest = split_params(raw, optim_cfg)
+    kind = elementwise_of(optim_cfg)
+    elementwise = strategy.elementwise_optimizer(ElementwiseRun(
+        kind.optimizer_class, param_groups((p for _, p in rest), optim_cfg.weight_decay),
+        kind.kwargs(optim_cfg, device)))
+    if not muon:
+        return elementwise
+    matrices = strategy.matrix_optimizer(MatrixRun(BatchedMuon, muon, muon_group_options(optim_cfg),
+                                                   muon_kwargs(optim_cfg, device), muon_parts(raw, muon)))
+    return Optimizers([matrices, elementwise])
 
 
 def split_params(model: nn.Module, optim_cfg) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """(Muon's, AdamW's) (name, parameter) pairs; with optim.name=adamw Muon's list is empty."""
+    """(Muon's, the elementwise optimizer's) (name, parameter) pairs; Muon's list is empty unless
+    optim.name=muon."""
     muon, adamw = [], []
     for name, param in model.named_parameters():  # the tied embedding once, under transformer.wte
         if not param.requires_grad:
@@ -37,7 +89,8 @@ def split_params(model: nn.Module, optim_cfg) -> tuple[list[tuple[str, nn.Parame
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW's two groups: decayed 2-D weights (matmuls, embeddings) and undecayed biases / norms."""
+    """The elementwise optimizer's two groups: decayed 2-D weights (matmuls, embeddings) and
+    undecayed biases / norms."""
     decay, no_decay = [], []
     for param in params:
         (decay if param.dim() >= 2 else no_decay).append(param)
@@ -47,21 +100,9 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
     ]
 
 
-def muon_group(params: list[nn.Parameter], optim_cfg) -> dict[str, Any]:
+def muon_group_options(optim_cfg) -> dict[str, Any]:
     """Muon's one group; `lr_scale` puts its lr on the schedule as the ratio of the two peaks."""
-    return {"params": params, "lr_scale": optim_cfg.muon.lr / optim_cfg.lr}
-
-
-def adamw_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
-    """Keyword arguments for torch.optim.AdamW (shared by the plain and ZeRO optimizers)."""
-    choice = optim_cfg.fused.lower()  # `optim.fused=true` arrives as 'True' (Hydra reads a bool)
-    fused = device.type == "cuda" if choice == "auto" else choice == "true"
-    return dict(
-        lr=optim_cfg.lr,
-        betas=tuple(optim_cfg.betas),
-        eps=optim_cfg.eps,
-        fused=fused,
-    )
+    return {"lr_scale": optim_cfg.muon.lr / optim_cfg.lr}
 
 
 def muon_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
@@ -131,19 +172,6 @@ def verdict(optimizer, found_inf: torch.Tensor | None):
             del target.found_inf
 
 
-def build_optimizer(model: nn.Module, optim_cfg, device: torch.device):
-    """AdamW over every parameter, or Optimizers([BatchedMuon, AdamW]) for optim=muon (in none, dp
-    and ddp every rank holds whole matrices and equal gradients)."""
-    muon, adamw = split_params(model, optim_cfg)
-    inner = torch.optim.AdamW(param_groups((p for _, p in adamw), optim_cfg.weight_decay),
-                              **adamw_kwargs(optim_cfg, device))
-    if not muon:
-        return inner
-    muon_optimizer = BatchedMuon([muon_group([p for _, p in muon], optim_cfg)], row_parts=muon_parts(model, muon),
-                                 **muon_kwargs(optim_cfg, device))
-    return Optimizers([muon_optimizer, inner])
-
-
 def describe_split(model: nn.Module, optim_cfg) -> str:
     """'optim=muon (Muon 0.79M params in 16 matrices, AdamW 6.44M)' for the run's first line."""
     muon, adamw = split_params(model, optim_cfg)
@@ -152,38 +180,3 @@ def describe_split(model: nn.Module, optim_cfg) -> str:
     count = lambda pairs: sum(p.numel() for _, p in pairs) / 1e6  # noqa: E731
     return (f"optim=muon (Muon {count(muon):.2f}M params in {len(muon)} matrices, "
             f"AdamW {count(adamw):.2f}M in {len(adamw)} tensors)")
-
-
-def lr_at(step: int, optim_cfg, max_steps: int) -> float:
-    """Linear warmup to optim.lr over warmup_steps, then optim.schedule down to min_lr at max_steps:
-
-    cosine  half a cosine from lr to min_lr over the steps after warmup (the default);
-    wsd     warmup-stable-decay: lr held until the last `decay_fraction` of max_steps, then a
-            straight line to min_lr (the "warmdown" of nanochat, modded-nanogpt and torchtitan's
-            default decay shape). The stable phase does not depend on max_steps, so its
-            checkpoints continue into a longer run (resume= with a larger train.max_steps);
-    linear  a straight line from lr to min_lr over the steps after warmup.
-    """
-    lr, min_lr, warmup = optim_cfg.lr, optim_cfg.min_lr, optim_cfg.warmup_steps
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    if step >= max_steps:
-        return min_lr
-    schedule = optim_cfg.get("schedule", "cosine")
-    if schedule == "wsd":
-        decay_steps = max(1, round(optim_cfg.decay_fraction * max_steps))
-        decay_start = max(warmup, max_steps - decay_steps)
-        if step < decay_start:
-            return lr
-        return lr - (lr - min_lr) * (step - decay_start) / max(1, max_steps - decay_start)
-    progress = (step - warmup) / max(1, max_steps - warmup)
-    if schedule == "linear":
-        return lr - (lr - min_lr) * progress
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """The scheduled lr on every group (Muon's scaled by its lr_scale)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-

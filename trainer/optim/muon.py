@@ -112,7 +112,7 @@ class BatchedMuon(torch.optim.Optimizer):
     optimizer. `row_parts` maps a parameter to the row widths of the matrices it holds (one
     matrix when absent); `ns_dtype` is Newton-Schulz's precision (float32 lets every parallel mode
     match one process within 1e-5 on CPU; bfloat16 is the stock optimizer's). A step skips under
-    `found_inf` (an argument, or the attribute GradScaler and trainer.optim.verdict set)."""
+    `found_inf` (an argument, or the attribute GradScaler and trainer.optim.build.verdict set)."""
 
     masks_on_device = True
 
