@@ -49,7 +49,7 @@ def checkpointed_tiny_run(run_dir: Path, overrides: list[str], steps: int, token
     torch.manual_seed(0)
     strategy = make_strategy(cfg.parallel, cfg.train, ONE_CPU_PROCESS)
     model = strategy.wrap(build_model(cfg.model))
-    optimizer = strategy.build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, strategy)
     for _ in range(steps):
         x = torch.randint(0, 50257, (2, 16))
         model(x, torch.roll(x, -1, 1))[1].backward()
