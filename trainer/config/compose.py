@@ -231,7 +231,7 @@ def register_hydra() -> None:
 
 
 def default_run_name(root: DictConfig) -> str:
-    """The run's name from its trajectory keys (config_keys.run_identity), as the run will record
+    """The run's name from its trajectory keys (keys.py's run_identity), as the run will record
     them: model.init_from made absolute (anchor_paths), whatever folder the command is typed in."""
     job = OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]), resolve=True)
     init_from = job["model"].get("init_from")

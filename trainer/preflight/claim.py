@@ -1,7 +1,7 @@
 """Claiming a run: the one way each of dtrain's launch paths starts one.
 
-    claim_run:  the checks that need no torch (preflight.check_run)
-             -> the checks that need torch (launch_checks.check_with_torch)
+    claim_run:  the checks that need no torch (checks.py's check_run)
+             -> the checks that need torch (torch_checks.py's check_with_torch)
              -> the run directory claimed (its lock taken, the folder made)
              -> the resolved config recorded (resolved_config.json)
 
@@ -10,7 +10,7 @@ Nothing is written before every check has passed. Who calls it, and when:
     a single run        the driver, before Hydra writes .hydra/ and dtrain.log (commands/train.py)
     a sweep point       the driver, in the point's folder under the lock its sweep took (commands/train.py)
     plain torchrun      rank 0's worker, which tells the other ranks its config and run directory
-                        (worker.torchrun_main)
+                        (trainer/train/worker.py's torchrun_main)
 
 A sweep also checks each point before its sweep folder exists (check_sweep_point), as far as that
 can be known without the point's folder; the point then claims its folder with claim_run.
