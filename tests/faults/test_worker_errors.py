@@ -73,9 +73,21 @@ def test_a_kind_only_a_test_defines_crosses_from_a_world_2_worker(rank, data_dir
     assert "Traceback" not in proc.stdout
 
 
+@pytest.mark.parametrize("kind", sorted(LINES))
+def test_every_kind_leaves_its_one_line_in_the_record(kind, tmp_path, monkeypatch):
+    """Every kind through the worker's real record and the driver's reading of it, in one process
+    (the world-2 crossing itself is the same code for every kind: the tests around this one)."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
+    with pytest.raises(SystemExit):
+        leave_with_user_error(getattr(user_error_kinds, kind)())
+    assert reported_user_error(json.loads(error_file.read_text())) == LINES[kind]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [k for k in LINES if k != "only_in_a_test"])
-def test_every_kind_of_user_error_crosses_from_a_world_2_worker(kind, data_dir, tmp_path):
+def test_a_corrupt_checkpoint_crosses_from_a_world_2_worker(data_dir, tmp_path):
+    """CorruptCheckpoint, the kind the old list of names missed, across a real world-2 launch."""
+    kind = "corrupt_checkpoint"
     proc = _raise_in_worker(data_dir, tmp_path / "run", kind, "@1")
     assert one_line_error(proc) == f"error: {LINES[kind]}"
     assert "Traceback" not in proc.stdout
