@@ -135,7 +135,7 @@ def test_the_wheel_carries_conf_and_runs_without_the_checkout(tmp_path):
     env["PYTHONPATH"] = str(site)  # before the editable install's finder: the unpacked wheel is used
     where = subprocess.run([sys.executable, "-c", "import trainer.config.schema as c; print(c.__file__, c.CONF_DIR)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert where == [str(site / "trainer" / "config.py"), str(site / "trainer" / "conf")]
+    assert where == [str(site / "trainer" / "config" / "schema.py"), str(site / "trainer" / "conf")]
     plan = subprocess.run([sys.executable, "-m", "trainer", "plan", "model=gpt2_124m", "parallel=fsdp", "world=8",
                            "--device-memory", "80GiB"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
