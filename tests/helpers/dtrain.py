@@ -14,17 +14,22 @@ TINYSHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.t
 
 
 def corpus_text() -> str:
-    """The tiny-shakespeare corpus when the shared copy is here, else generated English-like text."""
+    """The tiny-shakespeare corpus when the shared copy is here (as in CI), else generated
+    English-like text: a few common words among thousands of made-up ones, so that a byte-level BPE
+    trained on it still finds over a thousand merges."""
     if TINYSHAKESPEARE.exists():
         return TINYSHAKESPEARE.read_text()
     import random
 
     rng = random.Random(0)
-    words = ("the king hath spoken and my lord shall come to the court of rome where all the "
-             "people cry for bread and wine good night sweet prince").split()
+    common = ("the king hath spoken and my lord shall come to the court of rome where all the "
+              "people cry for bread and wine good night sweet prince").split()
+    syllables = [c + v for c in "bcdfghklmnprstvw" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    made_up = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(4000)]
     lines = []
     for i in range(20000):
-        lines.append(("ROMEO:" if i % 7 == 0 else "") + " ".join(rng.choice(words) for _ in range(10)))
+        words = [rng.choice(common) if rng.random() < 0.6 else rng.choice(made_up) for _ in range(10)]
+        lines.append(("ROMEO:" if i % 7 == 0 else "") + " ".join(words))
     return "\n".join(lines) + "\n"
 
 
