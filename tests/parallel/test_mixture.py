@@ -169,6 +169,17 @@ def mix_args(mix_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+def test_a_source_too_small_for_one_validation_batch_is_one_line(mix_dir, tmp_path):
+    """The sources' val splits (a few thousand tokens) cannot hold one validation batch of 32 x 128
+    tokens: one line naming the first such source and the fix, before anything is written."""
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(mix_args(mix_dir, run_dir, "train.micro_batch_size=32", "train.seq_len=128"))
+    assert_user_error(proc, "the val split of data.mix's source 'a' holds at most",
+                      "one validation batch needs 4,097 (micro_batch_size x seq_len x world 1, +1)")
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
 def test_every_mode_reads_the_same_mixture(mix_dir, tmp_path):
     """none, ddp, zero and fsdp at world 2 on 256-token steps of the mixture: losses within 1e-5 of
     the one process's; validation per source and overall (the sources' at their weights); tokens by

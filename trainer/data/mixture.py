@@ -18,7 +18,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config.schema import batch_plan
 from trainer.data.layout import MANIFEST, dataset_dir
 from trainer.data.manifest import describe_tokenizer, recorded_tokenizer
 from trainer.data.prepare import as_data_cfg, load_manifest, prepare_command, refuse_foreign_tokenizer
@@ -109,21 +108,20 @@ def check_sources(data_cfg) -> None:
     refuse_foreign_tokenizer(source_configs(data_cfg)[first], first_folder / MANIFEST, first_manifest)
 
 
-def check_mixture_data(cfg, world: int, hold: Callable[[Path], None] | None = None) -> None:
+def check_mixture_data(cfg, world: int, val_need: int, hold: Callable[[Path], None] | None = None) -> None:
     """A mixture's data before a run (preflight.check_data's): its weights, its sources (prepared, one
     tokenizer), a shard of each source's train split holding one sequence and, when the run
-    validates, one of its val split holding one validation batch. `hold`: takes each source's folder
-    (the run's lock on it, against a re-prepare)."""
+    validates (`val_need` tokens, preflight.check_data's: 0 without validation), one of its val split
+    holding one validation batch. `hold`: takes each source's folder (the run's lock on it, against a
+    re-prepare)."""
     check_sources(cfg.data)
     t = cfg.train
-    plan = batch_plan(cfg, world)
-    validates = cfg.data.val_fraction > 0 and t.val_batches > 0
     for name, source in source_configs(cfg.data).items():
         if hold is not None:
             hold(dataset_dir(source))
         needs = {"train": (t.seq_len + 1, "one sequence", "seq_len", "lower train.seq_len")}
-        if validates:
-            needs["val"] = (plan.micro_batch_size * t.seq_len * world + 1, "one validation batch",
+        if val_need:
+            needs["val"] = (val_need, "one validation batch",
                             f"micro_batch_size x seq_len x world {world}",
                             "lower the micro batch or world, or set train.val_batches=0 to train without validation")
         for split, (need, what, made_of, fix) in needs.items():

@@ -61,13 +61,14 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     a point that prepares its data when it starts has only its source checked, where that needs
     no download. A mixture (data.mix) reads datasets prepared on their own: each is checked, none
     prepared."""
-    if mixture_weights(cfg.data):
-        check_mixture_data(cfg, world, None if lock is None else lambda folder: lock.hold(hold_for_reading(folder)))
-        return
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
     # validation reads at least one micro batch per rank (trainer.train.loop's val loader)
     val_need = plan.micro_batch_size * plan.seq_len * world + 1 if _validates(cfg) else 0
+    if mixture_weights(cfg.data):
+        hold = None if lock is None else lambda folder: lock.hold(hold_for_reading(folder))
+        check_mixture_data(cfg, world, val_need, hold)
+        return
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)
         if prepare_now:
