@@ -13,12 +13,19 @@ import threading
 from multiprocessing import resource_tracker
 from pathlib import Path
 
-from trainer.process.signals import RELAY_ENV, STOP_SIGNALS, announcement, relay_of, say_now, signal_name
+from trainer.process.signals import (
+    RELAY_ENV,
+    RELAY_PERIOD_S,
+    STOP_SIGNALS,
+    announcement,
+    relay_of,
+    say_now,
+    signal_name,
+)
 
 # What torch's agent may still turn into SignalException (LaunchConfig.signals_to_handle; its default
 # adds SIGTERM and SIGINT): the stop signals are DriverSignals' to handle.
 ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
-RELAY_PERIOD_S = 1.0
 WAIT_POLL_S = 0.2  # how often the driver's signal thread looks whether the launch ended
 
 

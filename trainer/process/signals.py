@@ -22,11 +22,19 @@ parent pid or the launcher seen dying (zombie, SIGKILL pending), says so in one 
 without claiming a save; a watchdog thread covers a main thread stuck inside a collective. The
 first signal is announced at once only by the process that received it from the user (dtrain's
 driver, or a one-process run); a launcher's worker speaks at the step boundary, when it saved.
+
+A stop signal while a worker's process group still comes up cannot run its Python handler: the main
+thread waits inside torch's store for peers. A watcher thread sees it through the wakeup fd. When the
+driver does not relay it (plain torchrun never does), it is the launcher tearing the job down because
+a peer failed (or the user stopping a job that has made no step): the peer will never join, so the
+worker exits at once and silently (128+N; nothing to save yet) instead of waiting out the launcher's
+30 s before its SIGKILL; the peer's failure is what the driver reports.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -46,6 +54,11 @@ PARENT_POLL_S = 0.5
 # How long a worker's SIGINT waits to see whether its launcher is dying (kill -9) before it counts
 # as a stop request; a real stop is acted on at the next step boundary anyway.
 DEATH_GRACE_S = 0.3
+RELAY_PERIOD_S = 1.0  # how often dtrain's driver sends its relay again until the workers are done
+# How long a worker whose process group is still coming up waits for the relay of a stop signal it got
+# directly before it takes the signal for the launcher's teardown: several relay periods, so that a
+# loaded machine does not turn a user's stop at startup (saved at the first step) into an exit.
+RELAY_GRACE_S = 5 * RELAY_PERIOD_S
 
 _active: StopSignals | None = None
 
@@ -107,6 +120,8 @@ class StopSignals:
         self.previous: dict[int, object] = {}
         self.group = None
         self.pending = None  # (work, tensor) of the all-reduce issued at the previous boundary
+        self.group_up = threading.Event()
+        self.wakeup: int | None = None  # while watched: the wakeup fd the watcher's pipe replaced
 
     def install(self) -> StopSignals:
         global _active
@@ -115,6 +130,8 @@ class StopSignals:
         for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self._direct)
             self.previous[relay_of(sig)] = signal.signal(relay_of(sig), self._relayed)
+        if self.parent is not None:
+            self._watch_bring_up()
         # dtrain's driver starts its workers with the stop signals blocked (DriverSignals): one
         # that reached this process meanwhile is pending and lands in the handler now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -127,6 +144,7 @@ class StopSignals:
         """Restore the previous handlers; `clean`: every rank left the loop together, so the
         all-reduce still in flight completes and is waited for (not after a failure: a dead peer)."""
         global _active
+        self.process_group_up()
         if clean and self.pending is not None:
             self.pending[0].wait()
         self.pending = None
@@ -135,6 +153,42 @@ class StopSignals:
         self.previous.clear()
         if _active is self:
             _active = None
+
+    # --- while the process group comes up ---
+    def _watch_bring_up(self) -> None:
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # the C handler must never block on it
+        replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self.wakeup = replaced
+        threading.Thread(target=self._teardown_watch, args=(read_end,), name="dtrain-bring-up-watch",
+                         daemon=True).start()
+
+    def process_group_up(self) -> None:
+        """The process group is up (or will never be): from here a stop signal is acted on at the
+        step boundary, where every rank agrees on it."""
+        self.group_up.set()
+        if self.wakeup is not None:
+            replaced = self.wakeup
+            self.wakeup = None
+            os.close(signal.set_wakeup_fd(replaced))  # the watcher sees EOF and closes its end
+
+    def _teardown_watch(self, read_end: int) -> None:
+        direct, deadline = 0, 0.0
+        relays = {relay_of(sig) for sig in STOP_SIGNALS}
+        try:
+            while not self.group_up.is_set():
+                wait = PARENT_POLL_S if not direct else max(0.0, min(PARENT_POLL_S, deadline - time.monotonic()))
+                if select.select([read_end], [], [], wait)[0]:
+                    received = os.read(read_end, 64)
+                    if not received or relays.intersection(received):
+                        return  # the group is up, or the driver relays a stop: saved at the first step
+                    if not direct:
+                        direct = next((sig for sig in received if sig in STOP_SIGNALS), 0)
+                        deadline = time.monotonic() + RELAY_GRACE_S
+                if direct and time.monotonic() >= deadline and not self.group_up.is_set():
+                    os._exit(128 + direct)  # the launcher's teardown: a peer failed, none will join
+        finally:
+            os.close(read_end)
 
     # --- handlers: record only; the loop acts at the step boundary ---
     def _orphaned(self) -> bool:

@@ -81,6 +81,7 @@ def _this_rank(cfg_dict: dict) -> Iterator[tuple[DictConfig, Runtime]]:
     except BaseException:
         stop.uninstall(clean=False)
         raise
+    stop.process_group_up()
     clean = interrupted = False
     try:
         yield cfg, rt
