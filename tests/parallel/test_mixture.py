@@ -168,6 +168,37 @@ def mix_args(mix_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return [a for a in args if a not in ("data=text", "data.name=corpus")]
 
 
+# The 256-token reference steps with a checkpoint every 3 steps: each mode's uninterrupted run is
+# both a parity run and the reference its kill -9 and resume is compared with.
+CHECKPOINTED = (*REFERENCE_BATCH, "checkpoint.interval=3")
+
+
+def checkpointed_args(mix_dir: Path, run_dir: Path, mode: str) -> list[str]:
+    return mix_args(mix_dir, run_dir, *CHECKPOINTED, *MODE_RUNS[mode])
+
+
+@pytest.fixture(scope="module")
+def mix_runs(mix_dir, tmp_path_factory):
+    """mode -> (run dir, stderr) of its uninterrupted checkpointed mixture run, trained once per
+    module. Read-only: a test that continues a run makes its own."""
+    root, made = tmp_path_factory.mktemp("mix_runs"), {}
+
+    def get(mode: str) -> tuple[Path, str]:
+        if mode not in made:
+            run_dir = root / mode
+            made[mode] = run_dir, run_dtrain(checkpointed_args(mix_dir, run_dir, mode), check=True).stderr
+        return made[mode]
+
+    return get
+
+
+def kill_past_a_checkpoint(args: list[str], run_dir: Path, log: Path) -> None:
+    proc = start_dtrain(args, log)
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    assert max(logged_steps(run_dir)) < REFERENCE_STEPS
+
+
 @pytest.mark.slow
 def test_a_source_too_small_for_one_validation_batch_is_one_line(mix_dir, tmp_path):
     """The sources' val splits (a few thousand tokens) cannot hold one validation batch of 32 x 128
@@ -180,14 +211,11 @@ def test_a_source_too_small_for_one_validation_batch_is_one_line(mix_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_every_mode_reads_the_same_mixture(mix_dir, tmp_path):
+def test_every_mode_reads_the_same_mixture(mix_runs):
     """none, ddp, zero and fsdp at world 2 on 256-token steps of the mixture: losses within 1e-5 of
     the one process's; validation per source and overall (the sources' at their weights); tokens by
     source in every step record and the summary, at the weights' shares."""
-    runs = {}
-    for mode in ("none", "ddp", "zero", "fsdp"):
-        runs[mode] = tmp_path / mode
-        run_dtrain(mix_args(mix_dir, runs[mode], *REFERENCE_BATCH, *MODE_RUNS[mode]), check=True)
+    runs = {mode: mix_runs(mode)[0] for mode in ("none", "ddp", "zero", "fsdp")}
     want = train_losses(runs["none"])
     assert sorted(want) == list(range(1, REFERENCE_STEPS + 1))
     for mode in ("ddp", "zero", "fsdp"):
@@ -208,20 +236,16 @@ def test_every_mode_reads_the_same_mixture(mix_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
+def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
     """kill -9 after a checkpoint, the same command resumes: every loss, grad norm and tokens by
     source equal the uninterrupted run's (source b is read whole and starts over on the way); a
     changed weight is refused naming resume=, nothing written; a checkpoint resumed by one process
     tracks the world-2 run within 1e-5; the checkpoint's data identity covers each source."""
-    ckpt = ("train.max_steps=10", "checkpoint.interval=3", "parallel=ddp", "world=2")
-    reference, run_dir, log = tmp_path / "reference", tmp_path / "run", tmp_path / "killed.log"
-    done = run_dtrain(mix_args(mix_dir, reference, *ckpt), check=True)
-    assert "data.mix's source 'b' was read whole" in done.stderr, done.stderr[-3000:]
-    args = mix_args(mix_dir, run_dir, *ckpt)
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < 10
+    reference, done = mix_runs("ddp")
+    assert "data.mix's source 'b' was read whole" in done, done[-3000:]
+    run_dir = tmp_path / "run"
+    args = checkpointed_args(mix_dir, run_dir, "ddp")
+    kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log")
     before = snapshot(run_dir)
     changed = run_dtrain([*args, "data.mix.b=0.4"])
     assert_user_error(changed, "data.mix.b", f"resume={run_dir}")
@@ -231,12 +255,13 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
     assert loss_records(run_dir) == loss_records(reference)
     by_source = {r["step"]: r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r}
     assert by_source == {r["step"]: r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r}
-    # resharded: its step-6 checkpoint (of 6, 9, 10) continued by one process (accumulation 2): the same tokens
+    # resharded: its step-12 checkpoint (of 12, 15, 16 kept) continued by one process (accumulation 2): the same tokens
     resharded = tmp_path / "resharded"
-    run_dtrain(mix_args(mix_dir, resharded, "train.max_steps=10", "train.total_batch_size=512", "parallel=none",
-                        f"resume={reference / 'checkpoints' / 'step_000006'}"), check=True)
+    run_dtrain(mix_args(mix_dir, resharded, *CHECKPOINTED, "parallel=none", "train.micro_batch_size=4",
+                        f"resume={reference / 'checkpoints' / 'step_000012'}"), check=True)
     want, got = train_losses(reference), train_losses(resharded)
-    assert sorted(got) == list(range(7, 11)) and max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
+    assert sorted(got) == list(range(13, REFERENCE_STEPS + 1)), got
+    assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
     assert all(r["tokens_by_source"] == by_source[r["step"]] for r in read_metrics(resharded) if "loss" in r)
     # the checkpoint records each source's identity: b prepared again from other text is refused
     chosen, data = newest_resumable(run_dir / "checkpoints"), tmp_path / "data"
@@ -252,17 +277,13 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero", "fsdp"])
-def test_kill_and_resume_a_mixture_bitwise_with_sharded_state(mode, mix_dir, tmp_path):
+def test_kill_and_resume_a_mixture_bitwise_with_sharded_state(mode, mix_dir, mix_runs, tmp_path):
     """The same kill -9 and resume where the optimizer state (zero) or the parameters too (fsdp)
     are sharded: every loss and grad norm and the tokens by source equal the uninterrupted run's."""
-    ckpt = ("train.max_steps=8", "checkpoint.interval=3", f"parallel={mode}", "world=2")
-    reference, run_dir, log = tmp_path / "reference", tmp_path / "run", tmp_path / "killed.log"
-    run_dtrain(mix_args(mix_dir, reference, *ckpt), check=True)
-    args = mix_args(mix_dir, run_dir, *ckpt)
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < 8
+    reference, _ = mix_runs(mode)
+    run_dir = tmp_path / "run"
+    args = checkpointed_args(mix_dir, run_dir, mode)
+    kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log")
     resumed = run_dtrain(args, check=True)
     assert f"resuming from {run_dir / 'checkpoints'}/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)
