@@ -61,14 +61,15 @@ WSD = ["optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.warmup_steps=2",
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_a_stable_phase_checkpoint_continues_bitwise_into_a_longer_run(data_dir, tmp_path, optim):
     """A 20-step WSD run decays from step 10; its step-8 checkpoint is still in the stable phase, so
-    `resume=` it with train.max_steps=40 trains exactly as a 40-step WSD run from the start."""
+    `resume=` it with train.max_steps=24 trains exactly as a 24-step WSD run from the start (whose
+    decay begins at step index 12)."""
     short, longer, reference = tmp_path / "short", tmp_path / "longer", tmp_path / "reference"
     run_dtrain(tiny_args(data_dir, short, f"optim={optim}", *WSD, "checkpoint.keep=5"), check=True)
-    run_dtrain(tiny_args(data_dir, longer, f"optim={optim}", *WSD, "train.max_steps=40",
+    run_dtrain(tiny_args(data_dir, longer, f"optim={optim}", *WSD, "train.max_steps=24",
                          f"resume={short / 'checkpoints' / 'step_000008'}"), check=True)
-    run_dtrain(tiny_args(data_dir, reference, f"optim={optim}", *WSD, "train.max_steps=40"), check=True)
+    run_dtrain(tiny_args(data_dir, reference, f"optim={optim}", *WSD, "train.max_steps=24"), check=True)
     want, got = train_losses(reference), train_losses(longer)
-    assert sorted(got) == list(range(9, 41))
+    assert sorted(got) == list(range(9, 25))
     assert got == {s: want[s] for s in got}
     assert train_losses(short)[8] == want[8]  # the short run itself agreed until its decay began
     assert train_losses(short)[14] != want[14]  # its decay (from step index 10) shows from step 12 on
