@@ -173,19 +173,23 @@ class StopSignals:
             os.close(signal.set_wakeup_fd(replaced))  # the watcher sees EOF and closes its end
 
     def _teardown_watch(self, read_end: int) -> None:
-        direct, deadline = 0, 0.0
+        """Reads the signals' wakeup bytes until process_group_up closes the pipe's write end (EOF),
+        so that no signal meanwhile writes into a pipe nobody reads."""
         relays = {relay_of(sig) for sig in STOP_SIGNALS}
+        direct, relayed, deadline = 0, False, 0.0
         try:
-            while not self.group_up.is_set():
-                wait = PARENT_POLL_S if not direct else max(0.0, min(PARENT_POLL_S, deadline - time.monotonic()))
+            while True:
+                waiting = direct and not relayed
+                wait = min(PARENT_POLL_S, max(0.0, deadline - time.monotonic())) if waiting else PARENT_POLL_S
                 if select.select([read_end], [], [], wait)[0]:
                     received = os.read(read_end, 64)
-                    if not received or relays.intersection(received):
-                        return  # the group is up, or the driver relays a stop: saved at the first step
+                    if not received:
+                        return  # the process group is up
+                    relayed = relayed or bool(relays.intersection(received))  # a stop: saved at the first step
                     if not direct:
                         direct = next((sig for sig in received if sig in STOP_SIGNALS), 0)
                         deadline = time.monotonic() + RELAY_GRACE_S
-                if direct and time.monotonic() >= deadline and not self.group_up.is_set():
+                if direct and not relayed and time.monotonic() >= deadline and not self.group_up.is_set():
                     os._exit(128 + direct)  # the launcher's teardown: a peer failed, none will join
         finally:
             os.close(read_end)
