@@ -16,7 +16,7 @@ import torch
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import one_line_error
-from helpers.processes import kill_group, logged_steps, past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import CKPT_ARGS, CKPT_NAMES, INTERVAL, MODES, STEPS
 
 from trainer.checkpoint.layout import MARKER, checkpoint_step, is_complete, latest_checkpoint, list_checkpoints
@@ -52,10 +52,7 @@ def kill_and_resume_bitwise(mode, data_dir, references, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode])
     log = tmp_path / "killed.log"
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    killed_at = max(logged_steps(run_dir))
+    killed_at = kill_past_a_checkpoint(args, run_dir, log)
     resumed_from = checkpoint_step(latest_checkpoint(run_dir))
     assert killed_at < STEPS
     if mode == "none":

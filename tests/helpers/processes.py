@@ -66,6 +66,15 @@ def kill_group(proc: subprocess.Popen) -> None:
 STOP_LINE = re.compile(r"^dtrain: (SIG\w+) at step (\d+): saved (\S+); exiting with (\d+)$", re.M)
 
 
+def kill_past_a_checkpoint(args: list[str], run_dir: Path, log: Path) -> int:
+    """Start the run `args` and kill -9 its whole process group once a step past a complete
+    checkpoint is logged. Returns the last step it logged."""
+    proc = start_dtrain(args, log)
+    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
+    kill_group(proc)
+    return max(logged_steps(run_dir))
+
+
 def logged(run_dir: Path, at_least: int = 1) -> bool:
     path = run_dir / "metrics.jsonl"
     return path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= at_least

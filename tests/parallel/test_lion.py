@@ -17,7 +17,7 @@ import torch
 from helpers.checkpoints import loss_records, one_process_optimizer, same_weights
 from helpers.dist_workers import train_and_inspect
 from helpers.dtrain import REPO, run_dtrain, tiny_args, train_losses
-from helpers.processes import kill_group, logged_steps, past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import MODE_RUNS, ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -170,10 +170,7 @@ def test_kill_9_under_fsdp_then_the_same_command_is_bitwise(data_dir, runs, tmp_
     reference, _ = runs("fsdp")
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     args = tiny_args(data_dir, run_dir, *LION_BATCH, *CASES["fsdp"])
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < STEPS
+    assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
     killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
 
     again = run_dtrain(args)

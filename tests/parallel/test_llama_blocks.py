@@ -16,7 +16,7 @@ import pytest
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import corpus_text, run_dtrain, tiny_args, train_losses
 from helpers.evals import make_examples, write_jsonl
-from helpers.processes import kill_group, logged_steps, past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import assert_matches_one_process
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
@@ -76,10 +76,7 @@ def test_kill_and_resume_under_fsdp_is_bitwise(data_dir, runs, tmp_path):
     run_dir = tmp_path / "run"
     args = llama_args(data_dir, run_dir, *CASES["fsdp_w2_checkpointed"])
     log = tmp_path / "killed.log"
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < STEPS
+    assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
     resumed_from = checkpoint_step(latest_checkpoint(run_dir))
     proc = run_dtrain(args)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ import torch
 from helpers.checkpoints import loss_records, snapshot
 from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
-from helpers.processes import kill_group, logged_steps, past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS
 from helpers.tokenizers import byte_level_folder
 
@@ -192,13 +192,6 @@ def mix_runs(mix_dir, tmp_path_factory):
     return get
 
 
-def kill_past_a_checkpoint(args: list[str], run_dir: Path, log: Path) -> None:
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < REFERENCE_STEPS
-
-
 @pytest.mark.slow
 def test_a_source_too_small_for_one_validation_batch_is_one_line(mix_dir, tmp_path):
     """The sources' val splits (a few thousand tokens) cannot hold one validation batch of 32 x 128
@@ -245,7 +238,7 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
     assert "data.mix's source 'b' was read whole" in done, done[-3000:]
     run_dir = tmp_path / "run"
     args = checkpointed_args(mix_dir, run_dir, "ddp")
-    kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log")
+    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < REFERENCE_STEPS
     before = snapshot(run_dir)
     changed = run_dtrain([*args, "data.mix.b=0.4"])
     assert_user_error(changed, "data.mix.b", f"resume={run_dir}")
@@ -283,7 +276,7 @@ def test_kill_and_resume_a_mixture_bitwise_with_sharded_state(mode, mix_dir, mix
     reference, _ = mix_runs(mode)
     run_dir = tmp_path / "run"
     args = checkpointed_args(mix_dir, run_dir, mode)
-    kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log")
+    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < REFERENCE_STEPS
     resumed = run_dtrain(args, check=True)
     assert f"resuming from {run_dir / 'checkpoints'}/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)

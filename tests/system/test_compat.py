@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
-from helpers.processes import kill_group, logged_steps, past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import (
     MODE_RUNS,
     MUON_BATCH,
@@ -63,10 +63,7 @@ def test_sharded_kill_9_then_the_same_command_is_bitwise(data_dir, runs, tmp_pat
     reference = runs("fsdp", "muon")
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     args = tiny_args(data_dir, run_dir, *MUON_BATCH, *MODE_RUNS["fsdp"])
-    proc = start_dtrain(args, log)
-    wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
-    kill_group(proc)
-    assert max(logged_steps(run_dir)) < STEPS
+    assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
     resumed_from = checkpoint_step(latest_checkpoint(run_dir))
     again = run_dtrain(args)
     assert again.returncode == 0, again.stderr[-3000:]
