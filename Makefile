@@ -92,7 +92,7 @@ chaos: setup ## faults caused for real on a ddp world-2 run (worker SIGKILL, dri
 bench: setup ## tokens/s, step-time split and memory per rank for each parallel mode (ARGS="--model cpu16m --vs-bare ...")
 	$(PY) scripts/bench.py $(ARGS)
 
-bench-gpu: setup ## dtrain vs a bare loop on one GPU, Muon, memory vs plan, every mode at world 1 (<= 8 min; exit 2 without CUDA)
+bench-gpu: setup ## dtrain vs a bare loop on one GPU, Muon, Lion, a mixture, memory vs plan, every mode at world 1 (<= 8 min; exit 2 without CUDA)
 	$(PY) scripts/bench_gpu.py $(ARGS)
 
 IMAGE ?= dtrain:0.1.0

@@ -14,7 +14,10 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
   989 TFLOP/s), ms per step, and the share of it the GPU was busy (CUDA kernel time from
   torch.profiler over a few steps, over the unprofiled wall time), and the host time of the
   compiled forward's call (dynamo's "Torch-Compiled Region" in the same profile).
-* muon: optim=muon's step against AdamW's (gpt2_124m, micro batch 32).
+* muon, lion: optim=muon's and optim=lion's step against AdamW's (gpt2_124m, micro batch 32).
+* mixture: `data=mix` over two datasets (--mix; shakespeare and tinyshakespeare, 0.7/0.3, prepared
+  when missing: every sequence read from its own source's memmap) against the one-dataset step
+  (gpt2_124m, micro batch 32).
 * memory: torch.cuda.max_memory_allocated of dtrain's step (before the bare loop exists) beside
   `dtrain plan`'s estimate of it (trainer/plan/memory.py), both models, micro batch 16 and 32, compile
   on and off.
@@ -68,7 +71,9 @@ BATCHES = {"full": (16, 32, 64), "tiny": (2, 4, 8)}
 SEQ = {"full": 1024, "tiny": 64}
 # The settings whose defaults this benchmark chooses (trainer/config/schema.py TrainConfig), tried one at a time.
 CHOICES = ("train.compile_mode=reduce-overhead", "train.loss_chunks=4")
-SECTIONS = ("memory", "modes", "throughput", "muon", "choices")
+SECTIONS = ("memory", "modes", "throughput", "muon", "lion", "mixture", "choices")
+# The mixture row's sources (--mix): the default dataset and tinyshakespeare, prepared when missing.
+MIX = "shakespeare:0.7,tinyshakespeare:0.3"
 
 
 def parse_args(argv):
@@ -85,6 +90,9 @@ def parse_args(argv):
                    help=f"which rows, comma-separated (default all: {','.join(SECTIONS)})")
     p.add_argument("--batches", default=None,
                    help="the micro batches of the throughput rows, comma-separated (default 16,32,64; tiny 2,4,8)")
+    p.add_argument("--mix", default=MIX,
+                   help=f"the mixture row's sources in data.dir, NAME:WEIGHT,... (default {MIX}; a "
+                        "conf/data preset is prepared when missing, any other name must be prepared)")
     p.add_argument("overrides", nargs="*", help="dtrain config overrides (key=value), e.g. data.dir=...")
     args = p.parse_args(argv)
     args.sections = set(args.sections.split(","))
@@ -104,16 +112,21 @@ class Bench:
         self.adamw_ms: dict[tuple, float] = {}
         self.default_peak: dict[tuple, int] = {}
 
-    def cfg(self, model: str, batch: int, *extra: str):
-        data = []
-        if not any(o.startswith("data") for o in self.args.overrides) and LOCAL_TINYSHAKESPEARE.exists():
-            data = ["data=tinyshakespeare", f"data.source={LOCAL_TINYSHAKESPEARE}"]
+    def cfg(self, model: str, batch: int, *extra: str, data: list[str] | None = None):
+        """The benchmark's config; `data` replaces its dataset and the user's data overrides but data.dir."""
+        user = list(self.args.overrides)
+        if data is None:
+            data = []
+            if not any(o.startswith("data") for o in user) and LOCAL_TINYSHAKESPEARE.exists():
+                data = ["data=tinyshakespeare", f"data.source={LOCAL_TINYSHAKESPEARE}"]
+        else:
+            user = [o for o in user if not o.startswith("data") or o.startswith("data.dir=")]
         return compose([f"model={model}", "model.pad_vocab_multiple=64", f"train.micro_batch_size={batch}",
                         f"train.seq_len={SEQ[self.size]}", "train.grad_accum_steps=1",
                         f"train.device={self.args.device}",
                         "train.max_steps=100000", "train.sample_tokens=0", "train.val_interval=0",
                         "train.val_batches=0", "train.progress=false", "optim.warmup_steps=10",
-                        f"train.compile={str(self.compile).lower()}", *data, *self.args.overrides, *extra])
+                        f"train.compile={str(self.compile).lower()}", *data, *user, *extra])
 
     def row(self, section: str, case: str, dtrain: str, other: str = "-", ratio: str = "-", **figures) -> None:
         self.rows.append(dict(section=section, case=case, dtrain=dtrain, other=other, ratio=ratio, **figures))
@@ -162,7 +175,10 @@ class Bench:
                 self.guarded("throughput", f"{model} B={batch}", lambda m=model, b=batch: self.throughput(m, b), took)
                 took = max(took, time.monotonic() - t0)
             if batch == mid:
-                self.guarded("muon", f"{models[0]} B={mid}", lambda: self.muon(models[0], mid), took / 2)
+                for section, variant in (("muon", lambda: ["optim=muon"]), ("lion", lambda: ["optim=lion"]),
+                                         ("mixture", self.mixture_data)):
+                    self.guarded(section, f"{models[0]} B={mid}",
+                                 lambda s=section, v=variant: self.variant(s, models[0], mid, v()), took / 2)
                 for choice in (c for c in CHOICES if self.compile or "compile_mode" not in c):  # needs compile
                     self.guarded("choices", f"{models[0]} B={mid} {choice}",
                                  lambda c=choice: self.choice(models[0], mid, c), took / 2)
@@ -242,8 +258,24 @@ class Bench:
         compiled = [e.time_range.elapsed_us() for e in events if e.name.startswith("Torch-Compiled Region")]
         return (sum(kernels) / 1e6 / n if kernels else None, sum(compiled) / 1e6 / n if compiled else None)
 
-    def muon(self, model: str, batch: int) -> None:
-        cfg = self.cfg(model, batch, "optim=muon")
+    def mixture_data(self) -> list[str]:
+        """data=mix over --mix's sources in the user's data.dir, a conf/data preset prepared first as
+        `dtrain prepare` would (tinyshakespeare from ../shared when it is there)."""
+        where = [o for o in self.args.overrides if o.startswith("data.dir=")]
+        sources = dict(item.split(":") for item in self.args.mix.split(","))
+        for name in sources:
+            if (REPO / "conf" / "data" / f"{name}.yaml").exists():
+                local = [f"data.source={LOCAL_TINYSHAKESPEARE}"] if name == "tinyshakespeare" and \
+                    LOCAL_TINYSHAKESPEARE.exists() else []
+                prepare_data(compose([f"data={name}", *local, *where]))
+        mix = "{" + ", ".join(f"{name}: {weight}" for name, weight in sources.items()) + "}"
+        return ["data=mix", f"data.mix={mix}", *where]
+
+    def variant(self, section: str, model: str, batch: int, overrides: list[str]) -> None:
+        """dtrain's step with another optimizer or dataset, against its default step (the
+        throughput row of the same model and micro batch: AdamW on one dataset)."""
+        optim = [o for o in overrides if o.startswith("optim=")]
+        cfg = self.cfg(model, batch, *optim, data=[o for o in overrides if o not in optim] or None)
         with tempfile.TemporaryDirectory(prefix="dtrain-bench-gpu-") as run_dir:
             run = Run(cfg, self.rt, Path(run_dir))
             steplog, metrics = step_bookkeeping(run, Path(run_dir))
@@ -254,12 +286,12 @@ class Bench:
                     start[0] += 1
 
             steps(self.args.warmup)
-            ms = statistics.median(self.alternate({"muon": steps})["muon"]) * 1e3
+            ms = statistics.median(self.alternate({section: steps})[section]) * 1e3
             metrics.close()
-        adamw = self.adamw_ms.get((model, batch))
-        self.row("muon", f"{model} B={batch} optim=muon", f"{ms:.1f} ms/step",
-                 f"adamw {adamw:.1f} ms/step" if adamw else "-", f"{ms / adamw:.3f}x" if adamw else "-",
-                 figures=dict(muon_ms=ms, adamw_ms=adamw))
+        default = self.adamw_ms.get((model, batch))
+        self.row(section, f"{model} B={batch} {' '.join(overrides)}", f"{ms:.1f} ms/step",
+                 f"adamw, one dataset {default:.1f} ms/step" if default else "-",
+                 f"{ms / default:.3f}x" if default else "-", figures=dict(ms=ms, default_ms=default))
 
     def choice(self, model: str, batch: int, override: str) -> None:
         """dtrain's step with one setting changed, against its default step (the throughput row)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -24,12 +25,18 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2():
 
 @pytest.mark.slow
 def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
-    out = tmp_path / "rows.json"
+    out, data = tmp_path / "rows.json", tmp_path / "data"
+    for name in ("corpus", "corpus_b"):  # the mixture row's two prepared sources
+        shutil.copytree(data_dir / "corpus", data / name)
     proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1",
-                     "--json", str(out), "data=text", "data.name=corpus", f"data.dir={data_dir}")
+                     "--json", str(out), "--mix", "corpus:0.7,corpus_b:0.3",
+                     "data=text", "data.name=corpus", f"data.dir={data}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "muon", "memory", "modes", "choices"}
+    assert {r["section"] for r in rows} == {"throughput", "muon", "lion", "mixture", "memory", "modes", "choices"}
+    for section in ("muon", "lion", "mixture"):  # each against AdamW's step on one dataset
+        (row,) = [r for r in rows if r["section"] == section]
+        assert row["figures"]["ms"] > 0 and row["figures"]["default_ms"] > 0, row
     (chunks,) = [r for r in rows if r["section"] == "choices"]  # compile_mode needs compile: not tiny
     assert "train.loss_chunks=4" in chunks["case"] and chunks["figures"]["ms"] > 0, chunks
     measured = [r for r in rows if r["section"] == "throughput" and "figures" in r]
