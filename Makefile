@@ -60,11 +60,16 @@ report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); th
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \
 	echo "$(DTRAIN) report $$dir $(ARGS)"; $(DTRAIN) report "$$dir" $(ARGS)
 
+# pytest-xdist: one test process per core (TEST_WORKERS=0: all in one process, for pdb or -s). A
+# module's tests stay in one process (--dist loadfile), so its shared reference runs are made once.
+TEST_WORKERS ?= auto
+PARALLEL_TESTS = -n $(TEST_WORKERS) --dist loadfile
+
 test: setup-test ## the quick tier: unit tests + one real multi-process test per parallel mode and fault class
-	$(VENV)/bin/pytest -q -m "not slow" $(ARGS)
+	$(VENV)/bin/pytest -q $(PARALLEL_TESTS) -m "not slow" $(ARGS)
 
 test-all: setup-test ## every test (what CI runs), the 20 slowest listed at the end
-	$(VENV)/bin/pytest -q --durations=20 $(ARGS)
+	$(VENV)/bin/pytest -q $(PARALLEL_TESTS) --durations=20 $(ARGS)
 
 test-compat: setup-compat ## the compatibility tier (pytest -m compat) on the floor torch in .venv-compat
 	$(COMPAT_VENV)/bin/python -m pytest -q -m compat $(ARGS)
