@@ -39,9 +39,9 @@ from trainer.checkpoint.weights import (
     weights_step,
 )
 from trainer.config.schema import LaunchConfig, from_dict, to_dict
+from trainer.data.hub import hub_unreachable
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, UserError
-from trainer.evals.hub import hub_unreachable
 from trainer.evals.shards import Shards
 from trainer.evals.task_data import not_cached, uncached_data
 from trainer.io import check_writable_dir, not_a_folder, write_atomic, write_errors_as_user_errors

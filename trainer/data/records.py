@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.config.dataset_names import RECORD_SUFFIXES
+from trainer.data.hub import OFFLINE_SET, hub_unreachable
 from trainer.errors import DataError
 from trainer.io import one_line
 
 EXTRA = "pip install 'dtrain[fineweb]'"  # the extra that brings `datasets` (and pyarrow)
-OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # the Hub's clients read their cache only
 _SHOWN_FIELDS = 12  # a message lists at most this many of the fields there are
 
 
@@ -162,9 +162,12 @@ def describe(path: str, name: str | None, split: str) -> str:
     return f"{path}" + (f" ({name})" if name else "") + f" split {split}"
 
 
-def _reach_hint() -> str:
-    if any(os.environ.get(var, "").lower() in ("1", "true", "yes", "on") for var in OFFLINE_VARS):
+def _reach_hint(out_of_reach: str | None) -> str:
+    if out_of_reach == OFFLINE_SET:
         return "HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set, so nothing is fetched from the Hub: unset it"
+    if out_of_reach:
+        return (f"the Hub is out of reach ({out_of_reach}): check network access (HTTPS_PROXY for a proxy, "
+                "HF_ENDPOINT for a mirror)")
     return ("check data.hf_path, data.hf_name, data.hf_split and network access (HF_TOKEN for a gated dataset; "
             "HF_HUB_OFFLINE=1 fails at once instead of retrying)")
 
@@ -172,14 +175,17 @@ def _reach_hint() -> str:
 def hub_rows(path: str, name: str | None, split: str):
     """Rows of a Hub dataset as `datasets` streams them; any failure (network, auth, an unknown
     dataset, configuration or split) is one line naming the dataset and the way to local files."""
+    # Asked before `datasets` is imported (the Hub's clients read offline mode then): offline, the
+    # stream fails at once instead of after half a minute of retries.
+    out_of_reach = None if "datasets" in sys.modules else hub_unreachable()
     datasets = import_datasets(f"data.hf_path={path}")
     try:
         yield from datasets.load_dataset(path, name=name, split=split, streaming=True)
     except Exception as e:  # network, auth, unknown dataset / config / split: each one line
         raise DataError(
             f"cannot stream {describe(path, name, split)} from Hugging Face ({type(e).__name__}: {one_line(e)[:300]}); "
-            f"{_reach_hint()}; or download its files (`hf download --repo-type dataset {path} --local-dir DIR`) "
-            "and set data.hf_path=DIR"
+            f"{_reach_hint(out_of_reach)}; or download its files (`hf download --repo-type dataset {path} "
+            "--local-dir DIR`) and set data.hf_path=DIR"
         ) from e
 
 

@@ -1,10 +1,11 @@
-"""Whether the Hugging Face Hub can be reached, asked once and fast before the harness starts.
+"""Whether the Hugging Face Hub can be reached, asked once and fast before a Hub client starts
+(`dtrain prepare data=hf` streaming a Hub dataset; the harness's tasks).
 
 Offline, `datasets` and `huggingface_hub` retry each request with backoff (about half a minute per
-task) before they give up; with HF_HUB_OFFLINE=1 they read their cache only and fail at once. So
-the driver asks first (the environment, else one TCP connection with a short timeout) and, when
+dataset or task) before they give up; with HF_HUB_OFFLINE=1 they read their cache only and fail at
+once. So dtrain asks first (the environment, else one TCP connection with a short timeout) and, when
 the Hub is out of reach, sets both libraries offline for itself and the workers it starts: a task
-whose data is cached still runs, one whose data is not is one line at once.
+whose data is cached still runs, a dataset or task that is not is one line at once.
 
 Standard library only: it must run before `datasets` / `huggingface_hub` are imported (they read
 these variables at import).
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 HUB_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 3.0
+OFFLINE_SET = "HF_HUB_OFFLINE is set"  # hub_unreachable's reason when the user set offline mode
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -26,7 +28,7 @@ def hub_unreachable(timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     """Why the Hub is out of reach (None when it answers); when out of reach, sets the Hub's
     clients offline (OFFLINE_VARS) in this process's environment, which its workers inherit."""
     if any(os.environ.get(var, "").lower() in _TRUE for var in OFFLINE_VARS):
-        return "HF_HUB_OFFLINE is set"
+        return OFFLINE_SET
     # Through the proxy when one is set for HTTPS (the Hub's clients honour it too).
     proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
                   if os.environ.get(v)), None)
