@@ -167,6 +167,7 @@ class Bench:
         plain, self.rt = self.rt, init_runtime(self.args.device, True, 300, None)  # one-process NCCL (gloo)
         for mode in PARALLEL_MODES:
             self.guarded("modes", f"{mode} world 1", lambda m=mode: self.mode(m, models[0], batches[0]))
+        self.rt.shutdown()  # its group goes before the process exits (NCCL warns of a leak otherwise)
         self.rt = plain  # dtrain's none against the bare loop: no process group for either
         took = 0.0
         for batch in sorted(chosen, key=lambda b: (b != mid, b)):  # the middle batch first, then by size
