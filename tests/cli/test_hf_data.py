@@ -20,6 +20,7 @@ from trainer.config.dataset_names import hf_dataset_name
 from trainer.config.validation import check_dataset_name
 from trainer.data import prepare as P
 from trainer.data import records
+from trainer.data.hub import OFFLINE_VARS, PROXY_VARS
 from trainer.data.identity import data_identity
 from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import ConfigError, DataError
@@ -191,7 +192,7 @@ def test_the_hub_without_datasets_names_the_extra(tmp_path, monkeypatch):
 def test_an_unreachable_hub_is_one_line_without_the_clients_retries(offline, hint, tmp_path):
     pytest.importorskip("datasets")
     env = dtrain_env()
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in (*OFFLINE_VARS, *PROXY_VARS):
         env.pop(var, None)
     env.update(offline, HF_HOME=str(tmp_path / "hf_home"))
     start = time.monotonic()

@@ -16,7 +16,7 @@ from helpers.errors import error_line
 
 from trainer.config.compose import compose
 from trainer.config.validation import validate
-from trainer.data.hub import OFFLINE_VARS, hub_unreachable
+from trainer.data.hub import OFFLINE_VARS, PROXY_VARS, hub_unreachable
 from trainer.data.prepare import _locked
 from trainer.errors import ConfigError
 
@@ -181,7 +181,7 @@ def test_a_file_where_a_run_directory_is_expected(command, tmp_path):
 
 
 def test_hub_out_of_reach_is_known_at_once(monkeypatch):
-    for var in (*OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in (*OFFLINE_VARS, *PROXY_VARS):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
     t0 = time.perf_counter()
@@ -221,7 +221,7 @@ def test_harness_offline_is_one_line_without_retries(trained_run, tmp_path):
     env = dtrain_env()
     # an empty cache, and a Hub endpoint that does not answer: offline as a machine without network is
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")
-    for var in (*OFFLINE_VARS, "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in (*OFFLINE_VARS, *PROXY_VARS):
         env.pop(var, None)
     proc = run_dtrain(["eval", str(trained_run), "--tasks", "hellaswag"], env=env)
     line = error_line(proc)

@@ -18,6 +18,7 @@ import socket
 from urllib.parse import urlparse
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")  # the Hub's clients honour them too
 HUB_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 3.0
 OFFLINE_SET = "HF_HUB_OFFLINE is set"  # hub_unreachable's reason when the user set offline mode
@@ -29,9 +30,7 @@ def hub_unreachable(timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     clients offline (OFFLINE_VARS) in this process's environment, which its workers inherit."""
     if any(os.environ.get(var, "").lower() in _TRUE for var in OFFLINE_VARS):
         return OFFLINE_SET
-    # Through the proxy when one is set for HTTPS (the Hub's clients honour it too).
-    proxy = next((os.environ[v] for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-                  if os.environ.get(v)), None)
+    proxy = next((os.environ[v] for v in PROXY_VARS if os.environ.get(v)), None)  # through it, when set
     url = urlparse(proxy or os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT)
     host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
     try:
