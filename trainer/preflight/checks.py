@@ -14,9 +14,9 @@ from trainer.checkpoint.space import check_space_at_start
 from trainer.config.schema import batch_plan, to_dict, tracker_names
 from trainer.config.validation import validate
 from trainer.data.in_use import hold_for_reading
-from trainer.data.layout import dataset_dir
+from trainer.data.layout import as_data_cfg, dataset_dir
 from trainer.data.mixture import check_mixture_data, mixture_weights
-from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
+from trainer.data.prepare import check_prepared_source, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import DataError
@@ -69,6 +69,7 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
         hold = None if lock is None else lambda folder: lock.hold(hold_for_reading(folder))
         check_mixture_data(cfg, world, val_need, hold)
         return
+    check_prepared_source(cfg.data)  # a data.source the command names is the one prepared, unchanged since
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)
         if prepare_now:
