@@ -128,11 +128,11 @@ def _files_intact(root: Path, manifest: dict) -> bool:
     return True
 
 
-def is_prepared(data_cfg) -> bool:
+def is_prepared(data_cfg, files: bool = True) -> bool:
     """A manifest with the current settings exists, every shard has its recorded size and, when the
-    config names its source, that source's files are as they were read."""
+    config names its source (and `files`), that source's files are as they were read."""
     cfg = as_data_cfg(data_cfg)
-    return _up_to_date(with_recorded_source(cfg), names_source(cfg))
+    return _up_to_date(with_recorded_source(cfg), files and names_source(cfg))
 
 
 def _up_to_date(cfg: DictConfig, source_named: bool) -> bool:
@@ -178,14 +178,14 @@ def refuse_other_source(data_cfg) -> None:
                         f"`{prepare_command(cfg, force=True)}`")
 
 
-def check_prepared_source(data_cfg) -> None:
+def check_prepared_source(data_cfg, files: bool = True) -> None:
     """What training refuses of a config that names its source: another source than data.name was
-    prepared from, or the same one changed on disk since. A config of data.name alone passes (its
-    files are not looked at: the raw text may be gone)."""
+    prepared from, or (with `files`) the same one changed on disk since. A config of data.name alone
+    passes (its files are not looked at: the raw text may be gone)."""
     cfg = as_data_cfg(data_cfg)
     _keep_foreign(cfg)  # another tokenizer's ids in the folder: said first, as prepare and the reader say it
     refuse_other_source(cfg)
-    changes = source_changes(cfg)
+    changes = source_changes(cfg) if files else []
     if changes:
         raise DataError(f"{describe_source(source_settings(cfg))} changed on disk since dataset {cfg.name!r} was "
                         f"prepared from it ({'; '.join(changes)}); prepare it again: run "
@@ -272,14 +272,16 @@ def _progress(enabled: bool | None, total: int | None):
     )
 
 
-def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path:
+def prepare(data_cfg, force: bool = False, progress: bool | None = None, files: bool = True) -> Path:
     """Tokenize ``data_cfg``'s dataset into shards; the manifest path.
 
-    A dataset already prepared with the same settings is left alone unless ``force``. ``progress``:
-    show a rich bar on stderr (None = only when stderr is a terminal).
+    A dataset already prepared with the same settings (and, when the config names its source and
+    ``files``, from the same files as they are now) is left alone unless ``force``. Another source
+    than the one data.name was prepared from is refused unless ``force``. ``progress``: show a rich
+    bar on stderr (None = only when stderr is a terminal).
     """
     cfg = as_data_cfg(data_cfg)
-    source_named = names_source(cfg)
+    source_named = files and names_source(cfg)
     cfg = with_recorded_source(cfg)  # data.name alone: the text it was prepared from
     root = dataset_dir(cfg)
     if not force:  # another tokenizer's dataset, or another source's, is not overwritten unasked
