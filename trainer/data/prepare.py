@@ -201,8 +201,8 @@ def _keep_foreign(cfg: DictConfig) -> None:
 
 def check_source(data_cfg) -> None:
     """What preparing (without --force) would refuse, as far as that needs no download: a dataset
-    of another tokenizer in the way, an unknown dataset, a data.source without text (a sweep checks
-    each point's so before any point prepares)."""
+    of another tokenizer or another source in the way, an unknown dataset, a data.source without text
+    (a sweep checks each point's so before any point prepares)."""
     cfg = with_recorded_source(as_data_cfg(data_cfg))
     _keep_foreign(cfg)
     refuse_other_source(cfg)
