@@ -139,8 +139,10 @@ def test_a_source_not_prepared_is_one_line(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_dtrain(["train", "model=tiny", "data=mix", "data.mix={corpus: 0.7, my_code: 0.3}",
                        f"data.dir={data_dir}", f"hydra.run.dir={run_dir}"])
-    assert_user_error(proc, "data.mix's source 'my_code' is not prepared", "run `dtrain prepare data=text "
-                      f"data.name=my_code data.dir={data_dir}`")
+    # nothing records my_code's text: the line says data.source is needed, with no command that would fail
+    assert_user_error(proc, "data.mix's source 'my_code' is not prepared", "nothing records the text of 'my_code'",
+                      "data=text data.name=my_code data.source=FILES")
+    assert "`" not in proc.stderr
     assert not run_dir.exists()
     assert_user_error(run_dtrain(["prepare", "data=mix", "data.mix={corpus: 1}"]), "prepare each of its sources")
 

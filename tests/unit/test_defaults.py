@@ -63,10 +63,11 @@ def test_an_option_sets_only_the_keys_that_make_it_that_option(group, option):
 
 @pytest.mark.parametrize("group", ["model", "data", "optim"])
 def test_an_option_is_named_by_its_yaml_stem(group):
-    """data=hf names its dataset after what it reads (an interpolation), every other option by its stem."""
+    """data=hf and data=text name their dataset after what they read (an interpolation), every other
+    option by its stem."""
     names = {path.stem: OmegaConf.load(path)._get_node("name")._value() for path in (CONF_DIR / group).glob("*.yaml")}
     derived = {stem for stem, name in names.items() if str(name).startswith("${")}
-    assert derived == ({"hf"} if group == "data" else set()), derived
+    assert derived == ({"hf", "text"} if group == "data" else set()), derived
     assert names and all(stem == name for stem, name in names.items() if stem not in derived), names
 
 

@@ -313,3 +313,10 @@ def test_prepare_says_whether_it_prepared_or_found_the_data_prepared(tmp_path):
     assert "prepared notes" in first.stdout and "already" not in first.stdout, first.stdout
     again = run_dtrain(args, check=True)
     assert "already prepared with these settings" in again.stdout and "--force" in again.stdout, again.stdout
+
+
+def test_prepare_help_names_both_shard_dtypes():
+    """`dtrain prepare --help` said "uint16 token shards" (issue 45 finding 18): a vocabulary over
+    65,536 ids is written as uint32."""
+    text = " ".join(run_dtrain(["prepare", "--help"], check=True).stdout.split())
+    assert "uint16 ids, uint32 when the tokenizer's vocabulary exceeds 65,536" in text, text

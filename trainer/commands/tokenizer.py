@@ -24,6 +24,7 @@ from trainer.config.args import ArgParser, folder_to_write
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
 from trainer.data import sources
+from trainer.data.hints import use_tokenizer_command
 from trainer.data.prepare import as_data_cfg
 from trainer.data.tokenizers import HF_EXTRA, TOKENIZER_FILE, load_tokenizer
 from trainer.errors import UserError
@@ -79,7 +80,7 @@ def cmd_tokenizer(argv: list[str]) -> None:
     Console().print(
         f"[green]trained[/] a byte-level BPE of {trained.vocab_size:,} tokens on {data_cfg.name} "
         f"({n_bytes:,} bytes) in {seconds:.1f} s: {n_bytes / max(1, n_tokens):.2f} bytes per token; "
-        f"{out / TOKENIZER_FILE}\n  use it: dtrain prepare data={data_cfg.name} tokenizer=hf tokenizer.path={out}",
+        f"{out / TOKENIZER_FILE}\n  use it: `{use_tokenizer_command(data_cfg, out)}`",
         highlight=False, soft_wrap=True)
 
 

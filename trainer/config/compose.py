@@ -28,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from trainer.config.dataset_names import HF_NAME_RESOLVER, hf_dataset_name
+from trainer.config.dataset_names import HF_NAME_RESOLVER, TEXT_NAME_RESOLVER, hf_dataset_name, text_dataset_name
 from trainer.config.keys import apply_renamed_keys, run_identity
 from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, schema_keys
 from trainer.errors import UserError
@@ -228,6 +228,8 @@ def register_hydra() -> None:
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
     if not OmegaConf.has_resolver(HF_NAME_RESOLVER):  # conf/data/hf.yaml's data.name
         OmegaConf.register_new_resolver(HF_NAME_RESOLVER, hf_dataset_name)
+    if not OmegaConf.has_resolver(TEXT_NAME_RESOLVER):  # conf/data/text.yaml's data.name
+        OmegaConf.register_new_resolver(TEXT_NAME_RESOLVER, text_dataset_name)
 
 
 def default_run_name(root: DictConfig) -> str:

@@ -19,6 +19,7 @@ from trainer.data.tokenizer import GPT2_FINGERPRINT
 SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.bin")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 SETTINGS_KEYS = ("source", "sha256", "val_fraction", "shard_tokens", "max_tokens", "hf_path", "hf_name", "hf_split")
+IDENTITY_KINDS = ("files", "download", "hub")  # what a source_identity records
 # key -> (the types it may have, how a message names them)
 TOP_LEVEL = {
     "format": ((int,), "a whole number"),
@@ -58,6 +59,10 @@ def schema_problem(manifest) -> str | None:
     for key in ("tokenizer_fingerprint", "tokenizer_path"):  # optional: a dtrain before them wrote neither
         if manifest.get(key) is not None and not isinstance(manifest[key], str):
             return f"its {key!r} is {manifest[key]!r} ({_kind(manifest[key])}), not a string"
+    if manifest.get("source_identity") is not None:  # optional too: a dtrain before it did not write it
+        problem = identity_problem(manifest["source_identity"])
+        if problem:
+            return f"its 'source_identity' {problem}"
     missing = [k for k in SETTINGS_KEYS if k not in manifest["settings"]]
     if missing:
         return f"its settings lack {', '.join(missing)}"
@@ -72,6 +77,27 @@ def schema_problem(manifest) -> str | None:
             total += entry["tokens"]
     if total != manifest["tokens"]:
         return f"its shards hold {total:,} tokens but its 'tokens' says {manifest['tokens']:,}"
+    return None
+
+
+def identity_problem(identity) -> str | None:
+    """How a manifest's `source_identity` (trainer/data/origin.py) differs from what prepare writes:
+    {"kind": "files", "files": [{"path", "size", "mtime_ns"}, ...]}, {"kind": "download", "from",
+    "sha256"} or {"kind": "hub", ...its coordinates}; None when it is so."""
+    if not isinstance(identity, dict):
+        return f"is {_kind(identity)}, not an object"
+    kind = identity.get("kind")
+    if kind not in IDENTITY_KINDS:
+        return f"has kind {kind!r}, not one of {', '.join(IDENTITY_KINDS)}"
+    if kind != "files":
+        return None
+    files = identity.get("files")
+    if not isinstance(files, list):
+        return f"has files {_kind(files)}, not a list"
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not all(
+                _is(entry.get(key), (int,)) for key in ("size", "mtime_ns")):
+            return f"has file entry {i} {entry!r}, not an object of path, size and mtime_ns"
     return None
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.data.layout import MANIFEST, dataset_dir
+from trainer.data.hints import prepare_hint
+from trainer.data.layout import MANIFEST, as_data_cfg, dataset_dir, prepared_folders
 from trainer.data.manifest import describe_tokenizer, recorded_tokenizer
-from trainer.data.prepare import as_data_cfg, load_manifest, prepare_command, refuse_foreign_tokenizer
+from trainer.data.prepare import load_manifest, refuse_foreign_tokenizer, run_tokenizer
 from trainer.data.shards import open_split
 from trainer.errors import ConfigError, DataError
 
@@ -75,10 +76,8 @@ def describe_data(data_cfg) -> str:
 
 def _found(source: DictConfig) -> tuple[Path, dict] | None:
     """The source's folder and manifest: prepared with the run's tokenizer, else with any other one
-    (`<name>` is GPT-2's folder, `<name>.tok-<digest>` another tokenizer's); None when not prepared."""
-    own = dataset_dir(source)
-    base = Path(os.path.expanduser(str(source.dir)))
-    for folder in [own, base / source.name, *sorted(base.glob(f"{source.name}.tok-*"))]:
+    (layout.prepared_folders); None when not prepared."""
+    for folder in prepared_folders(source):
         manifest = load_manifest(folder / MANIFEST)
         if manifest is not None:
             return folder, manifest
@@ -86,26 +85,31 @@ def _found(source: DictConfig) -> tuple[Path, dict] | None:
 
 
 def check_sources(data_cfg) -> None:
-    """Every source is prepared, all with one tokenizer, the run's: one DataError line otherwise."""
+    """Every source is prepared, all with one tokenizer, the run's: one DataError line otherwise,
+    whose `dtrain prepare` runs as printed (hints.prepare_hint)."""
+    configs = source_configs(data_cfg)
     found = {}
-    for name, source in source_configs(data_cfg).items():
+    for name, source in configs.items():
         hit = _found(source)
         if hit is None:
-            raise DataError(f"data.mix's source {name!r} is not prepared in {source.dir}; run "
-                            f"`{prepare_command(source)}` (a mixture reads datasets prepared on their own)")
+            raise DataError(f"data.mix's source {name!r} is not prepared in {source.dir}; {prepare_hint(source)} "
+                            "(a mixture reads datasets prepared on their own)")
         found[name] = hit
     (first, (first_folder, first_manifest)), *others = found.items()
     ours = recorded_tokenizer(first_manifest)
     for name, (folder, manifest) in others:
         theirs = recorded_tokenizer(manifest)
         if theirs != ours:
+            run = run_tokenizer(configs[first])
+            redo = name if theirs != run else first  # the one not prepared with the run's tokenizer
+            in_place = found[redo][0] == dataset_dir(configs[redo])  # a folder of another's ids under ours
             raise DataError(
                 f"data.mix's sources {first!r} and {name!r} were prepared with different tokenizers: {first!r} "
                 f"({first_folder}) with {describe_tokenizer(ours)}, {name!r} ({folder}) with "
-                f"{describe_tokenizer(theirs)}; a mixture reads one tokenizer's ids: prepare {name!r} again with "
-                f"{first!r}'s tokenizer (or {first!r} with {name!r}'s)"
+                f"{describe_tokenizer(theirs)}; a mixture reads one tokenizer's ids, this run's "
+                f"({describe_tokenizer(run)}): prepare {redo!r} with it: {prepare_hint(configs[redo], in_place)}"
             )
-    refuse_foreign_tokenizer(source_configs(data_cfg)[first], first_folder / MANIFEST, first_manifest)
+    refuse_foreign_tokenizer(configs[first], first_folder / MANIFEST, first_manifest)
 
 
 def check_mixture_data(cfg, world: int, val_need: int, hold: Callable[[Path], None] | None = None) -> None:

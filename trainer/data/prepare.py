@@ -19,18 +19,16 @@ is written and cut into shards by shard_writer.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
-import shlex
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -41,17 +39,27 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, hf_dataset_name, where
-from trainer.config.schema import DataConfig, TokenizerConfig
+from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, resolve_local, where
 from trainer.data import sources
+from trainer.data.hints import prepare_command, prepare_hint
 from trainer.data.in_use import rewriting
-from trainer.data.layout import DTYPES, FORMAT, MANIFEST, dataset_dir
+from trainer.data.layout import DTYPES, FORMAT, MANIFEST, as_data_cfg, dataset_dir
 from trainer.data.manifest import (
     SETTINGS_KEYS,
     describe_tokenizer,
     format_problem,
     schema_problem,
     tokenizer_problem,
+)
+from trainer.data.origin import (
+    describe_source,
+    file_changes,
+    file_stats,
+    names_source,
+    recorded,
+    source_conflict,
+    source_settings,
+    with_recorded_source,
 )
 from trainer.data.shard_writer import StreamWriter, split_stream
 from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
@@ -61,62 +69,9 @@ from trainer.io import check_writable_dir, first_missing, sha256_file, write_err
 
 # ------------------------------------------------------------------------------------- config
 
-# data=hf's keys (conf/data/hf.yaml) that a prepare command repeats only when they differ from these
-HF_DEFAULTS = {"hf_name": None, "hf_split": "train", "text_field": DEFAULT_TEXT_FIELD}
-
-
-def as_data_cfg(data_cfg) -> DictConfig:
-    """Accept a DictConfig (cfg.data), a DataConfig dataclass or a plain dict of DataConfig keys.
-
-    The public entry points (prepare, is_prepared, shards.read_manifest / open_split) call this
-    once; the helpers below them take the config it returns."""
-    if isinstance(data_cfg, DictConfig):
-        return data_cfg
-    if dataclasses.is_dataclass(data_cfg):
-        values = dataclasses.asdict(data_cfg)
-    elif isinstance(data_cfg, dict):
-        values = {**dataclasses.asdict(DataConfig()), **data_cfg}
-    else:
-        raise TypeError(f"expected a data config, got {type(data_cfg).__name__}")
-    if str(values.get("dir", "")).startswith("${oc.env:DTRAIN_DATA_DIR"):  # outside Hydra: resolve here
-        values["dir"] = str(default_data_dir())
-    if not isinstance(values.get("tokenizer"), dict):  # the root's `tokenizer` is not there: the schema's
-        values["tokenizer"] = dataclasses.asdict(TokenizerConfig())
-    return OmegaConf.create(values)
-
-
 # The fewest tokens a dataset can hold: the end-of-text marker that opens the first document and
 # one token of its text (split into train and val when data.val_fraction > 0).
 MIN_TOKENS = 2
-
-
-def default_data_dir() -> Path:
-    return Path(os.path.expanduser(os.environ.get("DTRAIN_DATA_DIR") or "~/.cache/dtrain/data"))
-
-
-def prepare_command(cfg: DictConfig, force: bool = False) -> str:
-    """The ``dtrain prepare ...`` line that (re)builds this dataset, for error messages."""
-    parts = ["dtrain", "prepare"]
-    if cfg.name in sources.DATASETS:
-        parts.append(f"data={cfg.name}")
-    elif cfg.hf_path:  # data=hf: its coordinates, and its name unless they derive it
-        parts += ["data=hf", f"data.hf_path={cfg.hf_path}"]
-        parts += [f"data.{key}={cfg[key]}" for key, default in HF_DEFAULTS.items() if cfg[key] != default]
-        if cfg.name != hf_dataset_name(cfg.hf_path, cfg.hf_name, cfg.hf_split, cfg.text_field):
-            parts.append(f"data.name={cfg.name}")
-    else:
-        parts += ["data=text", f"data.name={cfg.name}"]
-    if cfg.source:
-        parts.append(f"data.source={cfg.source}")
-    data_dir = Path(os.path.expanduser(str(cfg.dir)))
-    if data_dir.resolve() != default_data_dir().resolve():
-        parts.append(f"data.dir={cfg.dir}")
-    tok = cfg.get("tokenizer")
-    if tok is not None and tok.name != "gpt2":
-        parts += [f"tokenizer={tok.name}", f"tokenizer.path={tok.path}"]
-    if force:
-        parts.append("--force")
-    return shlex.join(parts)
 
 
 def settings_of(cfg: DictConfig) -> dict:
@@ -125,7 +80,7 @@ def settings_of(cfg: DictConfig) -> dict:
     prepared then has the settings it would have now."""
     out = {k: cfg[k] for k in SETTINGS_KEYS}
     if out["source"]:
-        out["source"] = sources.resolve_local(out["source"])
+        out["source"] = resolve_local(out["source"])
     if out["hf_path"]:
         out["hf_path"] = where(out["hf_path"])  # local files absolute; a Hub id as given
     if cfg.get("text_field", DEFAULT_TEXT_FIELD) != DEFAULT_TEXT_FIELD:
@@ -161,7 +116,7 @@ def refuse_foreign_tokenizer(cfg: DictConfig, path: Path, manifest: dict) -> Non
     if problem:
         raise DataError(f"{path} records {problem}, but this run's tokenizer is {describe_tokenizer(ours)}; "
                         "set tokenizer=... to the one the data was prepared with, or prepare it again with "
-                        f"this one: run `{prepare_command(cfg, force=True)}`")
+                        f"this one: {prepare_hint(cfg, force=True)}")
 
 
 def _files_intact(root: Path, manifest: dict) -> bool:
@@ -173,17 +128,69 @@ def _files_intact(root: Path, manifest: dict) -> bool:
     return True
 
 
-def is_prepared(data_cfg) -> bool:
-    """A manifest with the current settings exists and every shard has its recorded size."""
-    return _up_to_date(as_data_cfg(data_cfg))
+def is_prepared(data_cfg, files: bool = True) -> bool:
+    """A manifest with the current settings exists, every shard has its recorded size and, when the
+    config names its source (and `files`), that source's files are as they were read."""
+    cfg = as_data_cfg(data_cfg)
+    return _up_to_date(with_recorded_source(cfg), files and names_source(cfg))
 
 
-def _up_to_date(cfg: DictConfig) -> bool:
+def _up_to_date(cfg: DictConfig, source_named: bool) -> bool:
     root = dataset_dir(cfg)
     m = load_manifest(root / MANIFEST)
     if m is None or m["settings"] != settings_of(cfg) or tokenizer_problem(m, run_tokenizer(cfg)):
         return False
+    if source_named and _source_changes(cfg, m.get("source_identity")):
+        return False
     return _files_intact(root, m)
+
+
+def _source_changes(cfg: DictConfig, identity: dict | None) -> list[str]:
+    """How the local files the config reads differ from those a manifest's source_identity records."""
+    if identity is None or identity.get("kind") != "files":
+        return []
+    now = sources.local_files(cfg)
+    return [] if now is None else file_changes(identity["files"], file_stats(now))
+
+
+def source_changes(data_cfg) -> list[str]:
+    """The config names its source and data.name's dataset (the run's tokenizer's folder) was
+    prepared from it: one phrase per file added, removed or changed on disk since (origin.file_changes)."""
+    cfg = as_data_cfg(data_cfg)
+    record = recorded(cfg) if names_source(cfg) else None
+    if record is None or record.folder != dataset_dir(cfg) or source_conflict(cfg, record):
+        return []
+    return _source_changes(cfg, record.identity)
+
+
+def _source_key(cfg: DictConfig) -> str:
+    return "data.source" if cfg.source else "data.hf_path"
+
+
+def refuse_other_source(data_cfg) -> None:
+    """DataError when the config names another source than the one data.name was prepared from."""
+    cfg = as_data_cfg(data_cfg)
+    conflict = source_conflict(cfg, recorded(cfg))
+    if conflict:
+        key = _source_key(cfg)
+        raise DataError(f"{conflict}; prepare {key}={cfg.source or cfg.hf_path} under a data.name of its own, drop "
+                        f"{key} to use the prepared {cfg.name!r}, or prepare {cfg.name!r} anew from it: run "
+                        f"`{prepare_command(cfg, force=True)}`")
+
+
+def check_prepared_source(data_cfg, files: bool = True) -> None:
+    """What training refuses of a config that names its source: another source than data.name was
+    prepared from, or (with `files`) the same one changed on disk since. A config of data.name alone
+    passes (its files are not looked at: the raw text may be gone)."""
+    cfg = as_data_cfg(data_cfg)
+    _keep_foreign(cfg)  # another tokenizer's ids in the folder: said first, as prepare and the reader say it
+    refuse_other_source(cfg)
+    changes = source_changes(cfg) if files else []
+    if changes:
+        raise DataError(f"{describe_source(source_settings(cfg))} changed on disk since dataset {cfg.name!r} was "
+                        f"prepared from it ({'; '.join(changes)}); prepare it again: run "
+                        f"`{prepare_command(cfg, force=True)}`, or drop {_source_key(cfg)} to train on the data as "
+                        "prepared")
 
 
 def _keep_foreign(cfg: DictConfig) -> None:
@@ -194,10 +201,11 @@ def _keep_foreign(cfg: DictConfig) -> None:
 
 def check_source(data_cfg) -> None:
     """What preparing (without --force) would refuse, as far as that needs no download: a dataset
-    of another tokenizer in the way, an unknown dataset, a data.source without text (a sweep checks
-    each point's so before any point prepares)."""
-    cfg = as_data_cfg(data_cfg)
+    of another tokenizer or another source in the way, an unknown dataset, a data.source without text
+    (a sweep checks each point's so before any point prepares)."""
+    cfg = with_recorded_source(as_data_cfg(data_cfg))
     _keep_foreign(cfg)
+    refuse_other_source(cfg)
     if not sources.downloads(cfg):
         sources.open_source(cfg)
 
@@ -264,17 +272,22 @@ def _progress(enabled: bool | None, total: int | None):
     )
 
 
-def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path:
+def prepare(data_cfg, force: bool = False, progress: bool | None = None, files: bool = True) -> Path:
     """Tokenize ``data_cfg``'s dataset into shards; the manifest path.
 
-    A dataset already prepared with the same settings is left alone unless ``force``. ``progress``:
-    show a rich bar on stderr (None = only when stderr is a terminal).
+    A dataset already prepared with the same settings (and, when the config names its source and
+    ``files``, from the same files as they are now) is left alone unless ``force``. Another source
+    than the one data.name was prepared from is refused unless ``force``. ``progress``: show a rich
+    bar on stderr (None = only when stderr is a terminal).
     """
     cfg = as_data_cfg(data_cfg)
+    source_named = files and names_source(cfg)
+    cfg = with_recorded_source(cfg)  # data.name alone: the text it was prepared from
     root = dataset_dir(cfg)
-    if not force:  # another tokenizer's dataset is not overwritten unasked
+    if not force:  # another tokenizer's dataset, or another source's, is not overwritten unasked
         _keep_foreign(cfg)
-    if not force and _up_to_date(cfg):
+        refuse_other_source(cfg)
+    if not force and _up_to_date(cfg, source_named):
         return root / MANIFEST
     if cfg.shard_tokens < 1:
         raise DataError(f"data.shard_tokens={cfg.shard_tokens} must be at least 1")
@@ -290,7 +303,7 @@ def prepare(data_cfg, force: bool = False, progress: bool | None = None) -> Path
         with write_errors_as_user_errors(root, "set data.dir to a writable folder"):
             root.mkdir(parents=True, exist_ok=True)
             with _locked(root):
-                if not force and _up_to_date(cfg):  # someone else just did it
+                if not force and _up_to_date(cfg, source_named):  # someone else just did it
                     return root / MANIFEST
                 with rewriting(root, "prepare into another data.name="):  # never under a live run's feet
                     for stale in root.glob(".prepare-*"):  # left by an interrupted run (we hold the lock)
@@ -358,6 +371,7 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
         "tokenizer_path": tok.path,
         "dtype": dtype,
         "source": source.description,
+        "source_identity": source.identity,
         "splits": splits,
         "documents": documents,
         "tokens": total,

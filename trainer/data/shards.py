@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from trainer.data.layout import DTYPES, MANIFEST, dataset_dir
+from trainer.data.hints import prepare_hint
+from trainer.data.layout import DTYPES, MANIFEST, as_data_cfg, dataset_dir
 from trainer.data.manifest import format_problem, schema_problem
-from trainer.data.prepare import as_data_cfg, prepare_command, refuse_foreign_tokenizer
+from trainer.data.prepare import refuse_foreign_tokenizer
 from trainer.errors import DataError
 from trainer.io import nearest_existing
 
@@ -33,22 +34,20 @@ def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
         if not in_the_way.is_dir():  # preparing into it would fail the same way
             raise DataError(f"data.dir={cfg.dir}: {in_the_way} is a file, not a folder; set data.dir to the "
                             "folder that holds your prepared datasets")
-        raise DataError(f"dataset {cfg.name!r} is not prepared in {root}; run `{prepare_command(cfg)}`")
+        raise DataError(f"dataset {cfg.name!r} is not prepared in {root}; {prepare_hint(cfg)}")
+    redo = redo_command(cfg)
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(
-            f"{path} is unreadable ({type(e).__name__}); run `{prepare_command(cfg, True)}`"
-        ) from e
+        raise DataError(f"{path} is unreadable ({type(e).__name__}); {redo}") from e
     if not isinstance(manifest, dict):
-        raise DataError(f"{path} is not a dtrain manifest; run `{prepare_command(cfg, True)}`")
+        raise DataError(f"{path} is not a dtrain manifest; {redo}")
     problem = format_problem(manifest)
     if problem:
-        raise DataError(f"{path} has {problem}; run `{prepare_command(cfg, True)}`")
+        raise DataError(f"{path} has {problem}; {redo}")
     problem = schema_problem(manifest)
     if problem:
-        raise DataError(f"{path} is not a manifest as dtrain prepare writes it: {problem}; "
-                        f"run `{prepare_command(cfg, True)}`")
+        raise DataError(f"{path} is not a manifest as dtrain prepare writes it: {problem}; {redo}")
     refuse_foreign_tokenizer(cfg, path, manifest)
     return manifest
 
@@ -101,8 +100,8 @@ def open_split(data_cfg, split: str) -> list[np.memmap]:
 
 
 def redo_command(data_cfg) -> str:
-    """The fix for a damaged dataset, as messages end: run `dtrain prepare ... --force`."""
-    return f"run `{prepare_command(as_data_cfg(data_cfg), force=True)}`"
+    """The fix for a damaged dataset, as messages end: run `dtrain prepare ... --force` (hints.prepare_hint)."""
+    return prepare_hint(data_cfg, force=True)
 
 
 def out_of_vocabulary(path, token_id: int, vocab_size: int, redo: str) -> str:

