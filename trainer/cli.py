@@ -20,6 +20,7 @@ from rich.markup import escape
 
 import trainer
 from trainer.errors import Stopped, UserError, WorkerFailed
+from trainer.process.streams import survive_closed_readers
 
 # name -> one-line help. Each command is trainer.commands.<name>.cmd_<name>(argv).
 COMMANDS = {
@@ -96,6 +97,7 @@ def run() -> None:
     atexit handlers are closed and run as usual. A crash in native code (a segfault in a collective,
     an abort) prints every thread's Python stack first, so that it can be told where it happened."""
     faulthandler.enable()
+    survive_closed_readers()  # `dtrain ... | head`: a reader that leaves ends nothing (trainer.process.streams)
     try:
         main()
     finally:

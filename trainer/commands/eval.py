@@ -47,7 +47,7 @@ from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
 from trainer.io import not_a_folder, write_atomic, write_errors_as_user_errors
 from trainer.launch.workers import run_workers
 from trainer.model.gpt import build_model
-from trainer.observe.metrics import summary_table
+from trainer.observe.metrics import print_whole, summary_table
 from trainer.observe.results import HARNESS_FILE, HELLASWAG_RESULT_FILE
 from trainer.parallel import make_strategy, strategy_class
 from trainer.preflight.rundir import read_config_record
@@ -289,4 +289,4 @@ def _print_result(record: dict, path: Path) -> None:
         "weights": record["weights"],
         "written to": str(path),
     }
-    Console().print(summary_table("hellaswag", rows))
+    print_whole(Console(), summary_table("hellaswag", rows))

@@ -27,6 +27,7 @@ from trainer.launch.worker_errors import (
 )
 from trainer.process.env import under_torchrun
 from trainer.process.joblog import worker_environment
+from trainer.process.streams import survive_closed_readers
 
 # Failures that are one line without a traceback, though not the user's (exit code 1). A worker's
 # user error crosses by kind instead (trainer.launch.worker_errors).
@@ -109,6 +110,7 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     # Python chose stdout's buffering from what the driver's stdout was; the launcher may have
     # pointed it at a log file since: each line goes out as it is printed, not once a block fills.
     sys.stdout.reconfigure(line_buffering=True)
+    survive_closed_readers()  # local rank 0 writes to the driver's stdout and stderr: `| head` may close them
     try:
         raise_injected_error()  # a testing hook (trainer.launch.worker_errors)
         return entrypoint(*args)

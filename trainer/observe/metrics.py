@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -21,6 +22,7 @@ from trainer.io import write_atomic
 from trainer.process.joblog import LOG, rank_lines_wanted
 
 METRICS_FILE = "metrics.jsonl"
+UNBOUNDED_WIDTH = 1 << 16  # columns a table may measure itself in off a terminal (print_whole)
 TENSORBOARD_DIR = "tensorboard"
 # The package each tracker writes with (the optional extra dtrain[<name>] installs it).
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -167,9 +169,9 @@ class ProgressView:
             LOG.info(Text.from_markup(message).plain)
 
     def summary(self, title: str, rows: dict[str, str]) -> None:
-        """The end-of-run table; the job log gets it as one line."""
+        """The end-of-run table, nothing cut (print_whole); the job log gets it as one line."""
         if self.enabled:
-            self.console.print(summary_table(title, rows))
+            print_whole(self.console, summary_table(title, rows))
             LOG.info(f"{title}: " + " | ".join(f"{key} {value}" for key, value in rows.items()))
 
     def close(self) -> None:
@@ -188,7 +190,17 @@ def _clock(seconds: float | None) -> str:
 def summary_table(title: str, rows: dict[str, str]) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a value too wide for a terminal wraps in its cell, never "…"
     for key, value in rows.items():
         table.add_row(key, value)
     return table
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """`table` with nothing cut. Off a terminal (a pipe, a file, `| tee`) rich lays everything out in
+    80 columns and would end a long value, the run directory above all, with "…": there the table
+    gets its natural width instead. On a terminal a value wider than the screen wraps in its cell."""
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update_width(UNBOUNDED_WIDTH), table).maximum
+        console = Console(file=console.file, width=max(console.width, natural))
+    console.print(table)

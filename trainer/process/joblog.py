@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+
+from trainer.process.streams import when_a_reader_leaves
 
 LOG = logging.getLogger("dtrain")
 # Set by dtrain's launcher for its workers: the driver's job log file (absent: none to write to).
@@ -47,30 +49,32 @@ def rank_lines_wanted() -> bool:
     return os.environ.get(RANK_LINES_ENV) == "1"
 
 
-def _already_written(path: str) -> bool:
-    """Whether a record of LOG reaches a handler that writes `path` (through propagation)."""
+def _files_written() -> list[str]:
+    """The files a record of LOG reaches (through propagation), nearest handler first."""
+    files = []
     logger: logging.Logger | None = LOG
     while logger is not None:
-        if any(isinstance(h, logging.FileHandler) and h.baseFilename == path for h in logger.handlers):
-            return True
+        files += [h.baseFilename for h in logger.handlers if isinstance(h, logging.FileHandler)]
         logger = logger.parent if logger.propagate else None
-    return False
+    return files
 
 
 @contextmanager
 def job_log(main: bool) -> Iterator[None]:
     """While training: rank 0 in a worker of dtrain's launcher appends LOG's records to the
-    driver's job log. Elsewhere (the job's own process, other ranks) it adds nothing."""
+    driver's job log. Elsewhere (the job's own process, other ranks) it adds nothing. Rank 0 says
+    once when the reader of its stdout or stderr leaves (trainer.process.streams): training goes on."""
     path = os.environ.get(JOB_LOG_ENV)
     handler = None
     level = LOG.level
-    if main and path and not _already_written(os.path.abspath(path)):
+    if main and path and os.path.abspath(path) not in _files_written():
         handler = logging.FileHandler(path, encoding="utf-8")  # append: the driver's handler has it open too
         handler.setFormatter(logging.Formatter(JOB_LOG_FORMAT))
         LOG.addHandler(handler)
         LOG.setLevel(logging.INFO)  # a spawned worker's root logger is at WARNING
     try:
-        yield
+        with when_a_reader_leaves(_going_on) if main else nullcontext():
+            yield
     finally:
         if handler is not None:
             LOG.removeHandler(handler)
@@ -79,6 +83,17 @@ def job_log(main: bool) -> Iterator[None]:
 
 
 def say(message: str) -> None:
-    """A notice from rank 0 ("dtrain: ..." on stderr), also kept in the job log."""
-    print(f"dtrain: {message}", file=sys.stderr, flush=True)
+    """A notice from rank 0 ("dtrain: ..." on stderr), also kept in the job log (first: the log
+    file is the record that stays)."""
     LOG.info(message)
+    print(f"dtrain: {message}", file=sys.stderr, flush=True)
+
+
+def _going_on(stream: str) -> None:
+    """What rank 0 says when the reader of its `stream` left (`| head`, a pager closed, a `| tee`
+    killed): the run goes on, its lines in the job log."""
+    files = _files_written()
+    kept = f"its lines still go to {files[0]}" if files else "metrics.jsonl still gets its figures"
+    say(f"{stream} is closed (its reader exited); training goes on and {kept}; Ctrl-C stops it with a "
+        "checkpoint")
+
