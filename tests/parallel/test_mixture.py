@@ -200,7 +200,7 @@ def test_a_source_too_small_for_one_validation_sequence_is_one_line(mix_dir, tmp
     tokens: one line naming the first such source and the fix, before anything is written."""
     run_dir = tmp_path / "run"
     proc = run_dtrain(mix_args(mix_dir, run_dir, "train.micro_batch_size=1", "train.seq_len=4096",
-                               "model.block_size=4096"))
+                               "model.block_size=4096", "train.val_tokens=4096"))
     assert_user_error(proc, "the val split of data.mix's source 'a' holds at most",
                       "one validation sequence needs 4,097 (seq_len, +1)", "train.val_tokens=0")
     assert not run_dir.exists()

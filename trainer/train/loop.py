@@ -48,6 +48,7 @@ class TrainState:
     last_loss: float = math.nan
     train_s: float = 0.0  # seconds in training steps (StepLog), all sessions
     excluded_s: dict = field(default_factory=dict)  # the other seconds, by kind: evaluation, checkpoint, ...
+    wall_s: float = 0.0  # the training loop's seconds, all sessions: train_s plus excluded_s (StepLog)
     target: dict | None = None  # train.target_val_loss's record once reached (trainer/train/target.py)
 
 
@@ -56,13 +57,14 @@ class RunResult:
     final_loss: float
     best_val_loss: float
     tokens: int
-    tokens_per_s: float  # wall clock: evaluation, checkpoints and the sample's time included
-    train_tokens_per_s: float  # in training steps only, as the step lines measure it
-    wall_s: float
+    tokens_per_s: float  # tokens / wall_s: evaluation and checkpoints included, over every start
+    train_tokens_per_s: float  # in training steps only, as the step lines measure it (this start's steps)
+    wall_s: float  # the training loop's seconds over every start of the run (train_s plus excluded_s)
     steps: int
     final_val_bpb: float = math.nan  # bits per byte at the last validation (Run.val_loss)
     train_s: float = 0.0  # in training steps only, the first step of each session excepted (StepLog)
     excluded_s: dict = field(default_factory=dict)  # the other seconds by kind: beside the figures too
+    session_wall_s: float = 0.0  # the training loop's seconds in this start alone (wall_s for a run never stopped)
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
     # what produced the figures (trainer/observe/provenance.py): in the summary record beside the figures,
@@ -330,15 +332,17 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             at_step_boundary(run, checkpointer)  # a stop signal: all ranks save here and raise Stopped
             if last:  # max_steps, or the target reached
                 break
-        wall = time.perf_counter() - t_start
+        now = time.perf_counter()
+        wall = state.wall_s + now - steps.t_mark  # every start's, to this instant
         result = RunResult(
             final_loss=state.last_loss,
             best_val_loss=state.best_val_loss,
             final_val_bpb=val_bpb,
             tokens=state.tokens,
-            tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
+            tokens_per_s=state.tokens / wall if wall > 0 else 0.0,  # both over every start
             train_tokens_per_s=steps.training_tokens_per_s(),
             wall_s=wall,
+            session_wall_s=now - t_start,
             steps=state.step,
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
@@ -352,7 +356,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         if t.sample_tokens > 0:
             text = run.sample(t.sample_prompt, t.sample_tokens, t.seed)
             view.print("[bold]sample:[/]\n" + escape(text))
-        view.summary("run summary", _summary_rows(result, run_dir))
+        view.summary("run summary", _summary_rows(result, run_dir, resumed=start_step > 0))
         view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
             figures = asdict(result)
@@ -369,7 +373,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             checkpointer.close()
 
 
-def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
+def _summary_rows(result: RunResult, run_dir: Path, resumed: bool) -> dict[str, str]:
     return {
         "steps": f"{result.steps}",
         "tokens": f"{result.tokens:,}",
@@ -379,7 +383,8 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         # two figures, named so that neither is mistaken for the other (the step lines show the first)
         "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
-        "wall time": f"{result.wall_s:.1f} s",
+        # a continued run's wall time is every start's, as its tokens are; this start's beside it
+        "wall time": f"{result.wall_s:.1f} s" + (f" (this start {result.session_wall_s:.1f} s)" if resumed else ""),
         **({"time to target": describe_target(result.target)} if result.target else {}),
         **({"tokens by source": ", ".join(f"{name} {n:,} ({n / max(1, result.tokens):.1%})" for name, n in
                                           result.tokens_by_source.items())} if result.tokens_by_source else {}),
