@@ -52,6 +52,7 @@ def test_ctrl_c_then_the_same_command_continues_the_run(data_dir, tmp_path):
     assert {s: got[s] for s in got if s > stopped_at} == {s: want[s] for s in want if s > stopped_at}
 
 
+@pytest.mark.slow
 def test_a_continued_runs_summary_counts_every_start(data_dir, tmp_path):
     """Ctrl-C at about step 5 of 10, then the same command: the summary's wall_s is both starts' loop
     seconds, as its tokens and train_s are (train_s plus excluded_s is wall_s), tokens/s (wall) is

@@ -47,7 +47,7 @@ OPERATIONAL = (
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
     "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
-    # the old names (RENAMED_KEYS) and the old measure of val_tokens (CONVERTED_KEYS)
+    # the old names (RENAMED_KEYS) and val_tokens' old measure (_val_batches_as_tokens)
     "train.eval_interval", "train.val_batches", "train.eval_batches",
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # when the run ends, not what any step learns: a target stops it early as a stop signal would,

@@ -35,6 +35,8 @@ def first_sequences(shard_lengths: list[int], seq_len: int, wanted: int) -> list
 
 
 class ValidationSet:
+    """One rank's share of a val split's validation set, iterated as micro batches (the module docstring)."""
+
     def __init__(self, shards: list[np.ndarray], val_tokens: int, micro_batch_size: int, seq_len: int,
                  rank: int, world: int, device: torch.device, vocab_size: int, what: str, redo: str):
         self.B, self.T, self.device = micro_batch_size, seq_len, device
