@@ -125,7 +125,7 @@ class Bench:
                         f"train.seq_len={SEQ[self.size]}", "train.grad_accum_steps=1",
                         f"train.device={self.args.device}",
                         "train.max_steps=100000", "train.sample_tokens=0", "train.val_interval=0",
-                        "train.val_batches=0", "train.progress=false", "optim.warmup_steps=10",
+                        "train.val_tokens=0", "train.progress=false", "optim.warmup_steps=10",
                         f"train.compile={str(self.compile).lower()}", *data, *user, *extra])
 
     def row(self, section: str, case: str, dtrain: str, other: str = "-", ratio: str = "-", **figures) -> None:

@@ -5,7 +5,7 @@ experiment=shakespeare_fast (Muon), one after the other on this machine.
                                                    [-- extra overrides for both runs]
 
 Both runs get the same eval settings (validation every --eval-interval steps, the experiments'
-val_batches) and no sample or periodic checkpoint, so the clock is training and evaluation alike.
+val_tokens) and no sample or periodic checkpoint, so the clock is training and evaluation alike.
 The target is the validation loss shakespeare_cpu ends at; its time is that final evaluation's.
 shakespeare_fast's time is its first evaluation at or below the target. Times come from each run's
 metrics.jsonl: from the start of step 1 (its record's time minus its own duration) to the

@@ -42,14 +42,29 @@ def test_the_suggestion_reaches_the_error_line():
 # --- renamed keys: the old names still work, with a notice (trainer/config/keys.py RENAMED_KEYS) -------
 
 def test_old_key_names_set_the_new_keys():
+    # eval_batches is val_batches' older name; val_batches micro batches are val_tokens at the run's
+    # micro batch and seq_len (the schema's 8 x 128)
     cfg = compose(["train.eval_interval=7", "train.eval_batches=3", "eval.interval=5"])
-    assert (cfg.train.val_interval, cfg.train.val_batches, cfg.eval.hellaswag.interval) == (7, 3, 5)
+    assert (cfg.train.val_interval, cfg.train.val_tokens, cfg.eval.hellaswag.interval) == (7, 3 * 8 * 128, 5)
     assert cfg.train.eval_interval is None and cfg.train.eval_batches is None and cfg.eval.interval is None
+    assert cfg.train.val_batches is None
 
 
 def test_a_record_written_under_the_old_names_reads_as_the_new():
-    cfg = from_dict({"train": {"eval_interval": 9, "eval_batches": 1}, "eval": {"interval": 4}})
-    assert (cfg.train.val_interval, cfg.train.val_batches, cfg.eval.hellaswag.interval) == (9, 1, 4)
+    cfg = from_dict({"train": {"eval_interval": 9, "eval_batches": 1, "micro_batch_size": 4, "seq_len": 64},
+                     "eval": {"interval": 4}})
+    assert (cfg.train.val_interval, cfg.train.val_tokens, cfg.eval.hellaswag.interval) == (9, 256, 4)
+
+
+def test_val_batches_is_val_tokens_with_one_line_saying_why(capsys):
+    """train.val_batches counted micro batches: it sets the tokens it read, and says so once."""
+    cfg = compose(["train.val_batches=2", "train.micro_batch_size=4", "train.seq_len=64", "train.val_tokens=99"])
+    assert (cfg.train.val_tokens, cfg.train.val_batches) == (512, None)  # the old key wins, as written
+    lines = [line for line in capsys.readouterr().err.splitlines() if "val_batches" in line]
+    assert lines == ["dtrain: train.val_batches=2 is now train.val_tokens=512 (2 x micro batch 4 x seq_len 64): the "
+                     "validation set is a number of tokens and no longer moves with the micro batch; set "
+                     "train.val_tokens instead"]
+    assert compose(["train.val_batches=0"]).train.val_tokens == 0  # still no validation
 
 
 @pytest.mark.slow

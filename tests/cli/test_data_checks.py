@@ -247,11 +247,12 @@ def prepared(tmp_path: Path, **settings) -> Path:
     return root
 
 
-def test_a_val_split_smaller_than_one_batch_is_refused_before_anything_is_written(tmp_path):
+def test_a_val_split_smaller_than_one_sequence_is_refused_before_anything_is_written(tmp_path):
     root = prepared(tmp_path, val_fraction=0.001)
     line = refused_run(root, tmp_path, "data.val_fraction=0.001")
-    assert "val split of dataset 'corpus' holds at most" in line and "one validation batch needs 257" in line
-    assert "data.val_fraction" in line and "train.val_batches=0" in line
+    assert "val split of dataset 'corpus' holds at most" in line
+    assert "one validation sequence needs 65 (seq_len 64, +1)" in line
+    assert "data.val_fraction" in line and "train.val_tokens=0" in line
 
 
 def test_train_shards_smaller_than_one_step_are_refused_before_anything_is_written(tmp_path):
@@ -272,7 +273,7 @@ def test_max_tokens_too_small_names_the_key_and_a_value_that_works(tmp_path):
     assert line.startswith("error: data.max_tokens=1 leaves") and "has no text" not in line
     least = int(line.split("set data.max_tokens=")[1].split()[0])
     assert not root.exists()
-    # that value fits one step and one validation batch of the run; one less does not
+    # that value fits one step and one validation sequence of the run; one less does not
     run = compose(tiny_args(root, tmp_path / "run", "data.auto_prepare=true", f"data.source={src}")[1:])
     run.data.max_tokens = least
     check_data(run, world=1)

@@ -22,7 +22,7 @@ from trainer.errors import DataError
 from trainer.preflight.checks import check_data
 
 TRAIN = ["train", "model=tiny", "train.max_steps=1", "train.micro_batch_size=2", "train.seq_len=32",
-         "train.val_batches=1", "train.sample_tokens=0", "train.progress=false"]
+         "train.val_tokens=64", "train.sample_tokens=0", "train.progress=false"]
 
 
 def write_sources(root: Path) -> tuple[Path, Path]:

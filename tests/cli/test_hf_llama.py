@@ -85,7 +85,7 @@ def llama_run(data_dir, tmp_path_factory) -> Path:
     """llama_tiny trained 12 steps (vocabulary padded to 50304), its val loss recorded at the end."""
     run_dir = tmp_path_factory.mktemp("llama") / "run"
     run_dtrain(llama_args(data_dir, run_dir, "train.max_steps=12", "model.pad_vocab_multiple=64",
-                          "train.val_batches=4", "optim.lr=3e-3"), check=True)
+                          "train.val_tokens=1024", "optim.lr=3e-3"), check=True)
     return run_dir
 
 
@@ -118,7 +118,7 @@ def first_val_loss_from(data_dir: Path, run_dir: Path, source: Path) -> float:
     its end-of-run val loss is the loaded weights' own."""
     env = {**dtrain_env(), "DTRAIN_INJECT_NONFINITE": "1"}
     proc = run_dtrain(llama_args(data_dir, run_dir, "train.max_steps=1", "train.on_nonfinite=skip",
-                                 "train.val_batches=4", f"model.init_from={source}"), env=env)
+                                 "train.val_tokens=1024", f"model.init_from={source}"), env=env)
     assert proc.returncode == 0, proc.stderr
     return [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r][-1]
 

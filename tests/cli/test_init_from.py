@@ -95,7 +95,7 @@ def test_fsdp_world2_starts_from_the_hf_weights(hf_folder, data_dir, tmp_path):
 def source_run(data_dir, tmp_path_factory) -> Path:
     """A tiny run (vocabulary padded to 50304) trained 20 steps: the source of the dtrain cases."""
     run_dir = tmp_path_factory.mktemp("source") / "run"
-    run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.val_batches=4"), check=True)
+    run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.val_tokens=1024"), check=True)
     return run_dir
 
 
@@ -138,7 +138,7 @@ def test_padding_back_from_an_unpadded_run(source_run, data_dir, tmp_path):
 @pytest.mark.slow
 def test_finetune_lowers_the_val_loss(source_run, data_dir, tmp_path):
     run_dir = tmp_path / "finetune"
-    proc = run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.val_batches=4",
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.val_tokens=1024",
                                 "optim.lr=1e-3", "optim.warmup_steps=2", f"model.init_from={source_run}"))
     assert proc.returncode == 0, proc.stderr
     source_val = [r["val_loss"] for r in read_metrics(source_run) if "val_loss" in r][-1]

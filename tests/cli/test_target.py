@@ -117,9 +117,9 @@ def test_target_stops_the_run_at_the_first_evaluation_at_or_below_it(data_dir, t
 
 @pytest.mark.slow
 def test_training_seconds_leave_out_a_slow_evaluation(data_dir, tmp_path):
-    # 16 validation batches after every step: evaluating takes longer than training
+    # 4,096 validation tokens (16 batches) after every step: evaluating takes longer than training
     run_dir = tmp_path / "run"
-    run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=5", "train.val_interval=1", "train.val_batches=16",
+    run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=5", "train.val_interval=1", "train.val_tokens=4096",
                          "train.target_val_loss=10.75", "train.continue_after_target=true"), check=True)
     end = end_record(run_dir)
     summary, excluded = end["summary"], end["excluded_s"]

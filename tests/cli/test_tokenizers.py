@@ -148,7 +148,7 @@ def test_a_qwen3_folder_with_its_own_big_tokenizer_end_to_end(tmp_path):
     (prepared,) = (tmp_path / "data").glob("c.tok-*")
     assert json.loads((prepared / "manifest.json").read_text())["dtype"] == "uint32"
     run_dtrain(["train", *common, "train.max_steps=3", "train.micro_batch_size=2", "train.seq_len=64",
-                "train.val_batches=1", "train.sample_tokens=0", f"hydra.run.dir={run_dir}"], env=env, check=True)
+                "train.val_tokens=128", "train.sample_tokens=0", f"hydra.run.dir={run_dir}"], env=env, check=True)
     assert read_metrics(run_dir)[-1]["summary"]["steps"] == 3
     run_dtrain(["export", str(run_dir), f"out={tmp_path / 'hf'}"], env=env, check=True)
     sample = run_dtrain(["sample", str(run_dir), "prompt=Hello there", "tokens=8", "temperature=0", "device=cpu"],

@@ -46,3 +46,18 @@ def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
         }
     finally:
         rt.shutdown()
+
+
+def val_figures_on_weights(cfg_dicts: list[dict], run_dir: str, weights: str) -> list[dict]:
+    """Validation figures of each config's Run on the same saved weights (a raw GPT state dict)."""
+    first = from_dict(cfg_dicts[0])
+    rt = init_runtime("cpu", strategy_class(first.parallel.mode).needs_process_group, 120, 1)
+    try:
+        figures = []
+        for cfg_dict in cfg_dicts:
+            run = Run(from_dict(cfg_dict), rt, Path(run_dir))
+            run.strategy.unwrap(run.model).load_state_dict(torch.load(weights))
+            figures.append(run.val_figures())
+        return figures
+    finally:
+        rt.shutdown()

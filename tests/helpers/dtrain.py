@@ -52,7 +52,7 @@ def run_dtrain(args: list[str], cwd: Path | None = None, check: bool = False, ti
 def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     """A fast tiny-model training run on the session dataset."""
     return ["train", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.max_steps=20", "train.log_interval=1", "train.val_interval=0", "train.val_batches=2",
+            "train.max_steps=20", "train.log_interval=1", "train.val_interval=0", "train.val_tokens=512",
             "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
             "optim.warmup_steps=5", f"hydra.run.dir={run_dir}", *extra]
 
@@ -78,6 +78,6 @@ def args_with(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
 def sweep_args(data_dir: Path, *extra: str) -> list[str]:
     """A tiny-model sweep on the session dataset (the sweep values come in `extra`)."""
     return ["train", "-m", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.max_steps=6", "train.log_interval=1", "train.val_interval=3", "train.val_batches=2",
+            "train.max_steps=6", "train.log_interval=1", "train.val_interval=3", "train.val_tokens=512",
             "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
             "optim.warmup_steps=2", *extra]

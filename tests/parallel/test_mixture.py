@@ -114,7 +114,9 @@ def test_the_schedule_and_the_figures():
     schedule = Schedule({"a": 0.5, "b": 0.25, "c": 0.25})
     picks = [schedule.names[schedule.next()] for _ in range(8)]
     assert picks == ["a", "b", "c", "a"] * 2  # smooth: a never twice in a row, ties go by name
-    figures = mixed_figures({"a": [2.0, 10.0, 40.0, 20.0], "b": [4.0, 30.0, 10.0, 10.0]}, {"a": 0.75, "b": 0.25})
+    # each source's [nats over every target, nats over the targets with bytes, bytes, targets]
+    figures = mixed_figures({"a": [40.0, 10.0, 40.0, 20.0], "b": [40.0, 30.0, 10.0, 10.0]}, {"a": 0.75, "b": 0.25})
+    assert (figures["val_loss/a"], figures["val_loss/b"]) == (2.0, 4.0)  # nats per token
     assert figures["val_loss"] == 0.75 * 2 + 0.25 * 4
     assert figures["val_bpb/a"] == pytest.approx(10 / (math.log(2) * 40))
     # weighted bits per token over weighted bytes per token
@@ -195,13 +197,14 @@ def mix_runs(mix_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_source_too_small_for_one_validation_batch_is_one_line(mix_dir, tmp_path):
-    """The sources' val splits (a few thousand tokens) cannot hold one validation batch of 32 x 128
+def test_a_source_too_small_for_one_validation_sequence_is_one_line(mix_dir, tmp_path):
+    """The sources' val splits (a few thousand tokens) cannot hold one validation sequence of 4,096
     tokens: one line naming the first such source and the fix, before anything is written."""
     run_dir = tmp_path / "run"
-    proc = run_dtrain(mix_args(mix_dir, run_dir, "train.micro_batch_size=32", "train.seq_len=128"))
+    proc = run_dtrain(mix_args(mix_dir, run_dir, "train.micro_batch_size=1", "train.seq_len=4096",
+                               "model.block_size=4096", "train.val_tokens=4096"))
     assert_user_error(proc, "the val split of data.mix's source 'a' holds at most",
-                      "one validation batch needs 4,097 (micro_batch_size x seq_len x world 1, +1)")
+                      "one validation sequence needs 4,097 (seq_len, +1)", "train.val_tokens=0")
     assert not run_dir.exists()
 
 
@@ -216,11 +219,14 @@ def test_every_mode_reads_the_same_mixture(mix_runs):
     for mode in ("ddp", "zero", "fsdp"):
         got = train_losses(runs[mode])
         assert max(abs(got[s] - want[s]) for s in want) < 1e-5, mode
-    for mode, run_dir in runs.items():  # validation reads whole micro batches: its tokens differ by mode here
-        (val,) = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    vals = {}
+    for mode, run_dir in runs.items():  # each source's validation set: the same tokens in every mode
+        (val,) = vals[mode] = [r for r in read_metrics(run_dir) if "val_loss" in r]
         assert set(val) >= {"val_loss", "val_bpb", "val_loss/a", "val_bpb/a", "val_loss/b", "val_bpb/b"}, val
         assert abs(val["val_loss"] - (0.7 * val["val_loss/a"] + 0.3 * val["val_loss/b"])) < 1e-6, (mode, val)
         assert min(val["val_bpb/a"], val["val_bpb/b"]) < val["val_bpb"] < max(val["val_bpb/a"], val["val_bpb/b"])
+        # weights that track the one process's to rounding score what it scores, to rounding
+        assert all(abs(val[key] - vals["none"][0][key]) < 1e-5 for key in val if key.startswith("val_")), (mode, val)
     records = read_metrics(runs["none"])
     (summary,) = [r["summary"] for r in records if "summary" in r]
     by_source = summary["tokens_by_source"]

@@ -135,7 +135,12 @@ def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_p
     assert records[: len(kept)] == kept  # steps 1-3 were not trained again
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["summary"]["steps"] == 6
-    assert summary(sweep_dir)[0]["status"] == "ok"
+    (done,) = summary(sweep_dir)
+    assert done["status"] == "ok"
+    # its wall time is both starts', as its tokens and tokens/s are (the run's summary)
+    end = records[-1]["summary"]
+    assert done["wall_s"] == end["wall_s"] > end["session_wall_s"]
+    assert done["tokens_per_s"] * done["wall_s"] == pytest.approx(done["tokens"])
 
 
 def sweep_files(sweep_dir: Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ from helpers.checkpoints import ONE_CPU_PROCESS
 from helpers.dtrain import read_metrics, run_dtrain, tiny_args
 
 from trainer.config.compose import compose
+from trainer.data.shards import open_split
 from trainer.data.tokenizer import EOT, encode, token_byte_lengths
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -38,25 +39,23 @@ def test_per_token_losses_average_to_the_loss(chunks):
     assert losses.mean().item() == pytest.approx(loss.item(), rel=1e-6)
 
 
-def test_val_bpb_is_the_nats_over_the_targets_bytes(data_dir, tmp_path):
+def test_val_loss_and_bpb_are_per_token_over_the_first_val_tokens(data_dir, tmp_path):
+    """The figures of the first floor(val_tokens / seq_len) sequences of the val split (7 here: micro
+    batches of 2, the last padded), computed here in one batch straight from the shard."""
     cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.device=cpu",
-                   "train.micro_batch_size=2", "train.seq_len=32", "train.grad_accum_steps=1", "train.val_batches=3"])
+                   "train.micro_batch_size=2", "train.seq_len=32", "train.grad_accum_steps=1", "train.val_tokens=229"])
     run = Run(cfg, ONE_CPU_PROCESS, Path(tmp_path))
     loss, bpb = run.val_loss()
-    lengths = torch.tensor(token_byte_lengths())
-    run.val_loader.reset()
-    nats, nbytes, means = 0.0, 0, []
+    assert run.val_sets["corpus"].batches == 4
+    ids = torch.from_numpy(open_split(cfg.data, "val")[0][: 7 * 32 + 1].astype("int64"))
+    rows = torch.stack([ids[i * 32 : i * 32 + 33] for i in range(7)])
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
     with torch.no_grad():
-        for _ in range(run.val_loader.accum):
-            x, y = run.val_loader.next_batch()
-            logits, batch_loss = run.model(x, y)
-            per = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
-            b = lengths[y.view(-1)]
-            nats += per[b > 0].sum().item()
-            nbytes += b.sum().item()
-            means.append(batch_loss.item())
-    assert bpb == pytest.approx(nats / math.log(2) / nbytes, rel=1e-6)
-    assert loss == pytest.approx(sum(means) / len(means), rel=1e-6)
+        logits, _ = run.model(x, y)
+    per = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+    lengths = torch.tensor(token_byte_lengths())[y.reshape(-1)]
+    assert loss == pytest.approx(per.mean().item(), rel=1e-6)  # every target, the document boundaries too
+    assert bpb == pytest.approx(per[lengths > 0].sum().item() / math.log(2) / lengths.sum().item(), rel=1e-6)
 
 
 @pytest.mark.slow

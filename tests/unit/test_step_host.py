@@ -12,7 +12,7 @@ from trainer.train.loop import Run
 
 
 def test_train_mode_is_set_only_after_an_evaluation(data_dir, tmp_path):
-    overrides = tiny_args(data_dir, tmp_path / "run", "train.device=cpu", "train.val_batches=1")[1:]
+    overrides = tiny_args(data_dir, tmp_path / "run", "train.device=cpu", "train.val_tokens=256")[1:]
     cfg = compose([o for o in overrides if not o.startswith("hydra.")])
     rt = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
     run = Run(cfg, rt, tmp_path / "run")

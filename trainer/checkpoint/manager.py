@@ -151,6 +151,8 @@ class Checkpointer:
         state.last_loss = math.nan if last is None else float(last)
         state.train_s, state.target = float(saved.get("train_s", 0.0)), saved.get("target")  # trainer/train/target.py
         state.excluded_s = dict(saved.get("excluded_s") or {})
+        # a checkpoint saved before wall_s was kept: its seconds were train_s plus excluded_s all the same
+        state.wall_s = float(saved.get("wall_s", state.train_s + math.fsum(state.excluded_s.values())))
         rank = self.rt.rank
         loaders, rngs = saved["loaders"], saved["rng"]
         # The data position is the same on every rank (world-independent); RNG streams start
@@ -242,7 +244,8 @@ class Checkpointer:
                 "tokens": s.tokens,
                 "best_val_loss": _json_float(s.best_val_loss),
                 "last_loss": _json_float(s.last_loss),
-                "train_s": s.train_s, "excluded_s": s.excluded_s, "target": s.target,  # over every session
+                "train_s": s.train_s, "excluded_s": s.excluded_s, "wall_s": s.wall_s,  # over every session
+                "target": s.target,
                 "world": self.rt.world,
                 "parallel": self.cfg.parallel.mode,
                 # what a continuation must keep (trainer/preflight/continuation.py)

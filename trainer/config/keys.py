@@ -46,8 +46,9 @@ OPERATIONAL = (
     "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
-    "train.log_interval", "train.val_interval", "train.val_batches", "train.progress",
-    "train.eval_interval", "train.eval_batches",  # the old names of the two before (RENAMED_KEYS)
+    "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
+    # the old names (RENAMED_KEYS) and val_tokens' old measure (_val_batches_as_tokens)
+    "train.eval_interval", "train.val_batches", "train.eval_batches",
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # when the run ends, not what any step learns: a target stops it early as a stop signal would,
     # and the summary's `target` record names the target it met
@@ -117,7 +118,8 @@ RENAMED_KEYS = {
 
 def apply_renamed_keys(cfg: DictConfig) -> list[str]:
     """Move values set under an old name (RENAMED_KEYS) to the new one (the old name wins: it is
-    what the user wrote); returns one notice per old name used."""
+    what the user wrote), then train.val_batches to train.val_tokens; returns one notice per old
+    key used."""
     notices = []
     for old, new in RENAMED_KEYS.items():
         value = OmegaConf.select(cfg, old, default=None)
@@ -126,4 +128,21 @@ def apply_renamed_keys(cfg: DictConfig) -> list[str]:
         OmegaConf.update(cfg, new, value, merge=False)
         OmegaConf.update(cfg, old, None, merge=False)
         notices.append(f"{old} is now {new} (the old name still works; {new}={value} is what it set)")
-    return notices
+    notice = _val_batches_as_tokens(cfg)
+    return notices + ([notice] if notice else [])
+
+
+def _val_batches_as_tokens(cfg: DictConfig) -> str | None:
+    """train.val_batches counted micro batches, so the validation set moved with the micro batch and
+    two runs' figures scored different tokens; train.val_tokens counts tokens. A val_batches given
+    (a command, a preset, an older run's record) sets val_tokens to the tokens it read at the run's
+    own micro batch and seq_len (it wins over val_tokens, as an old name does), with a notice."""
+    batches = OmegaConf.select(cfg, "train.val_batches", default=None)
+    if not isinstance(batches, int) or batches < 0:  # none given; or out of range: validation names it
+        return None
+    train = cfg.train
+    tokens = batches * train.micro_batch_size * train.seq_len
+    train.val_tokens, train.val_batches = tokens, None
+    return (f"train.val_batches={batches} is now train.val_tokens={tokens} ({batches} x micro batch "
+            f"{train.micro_batch_size} x seq_len {train.seq_len}): the validation set is a number of tokens "
+            "and no longer moves with the micro batch; set train.val_tokens instead")

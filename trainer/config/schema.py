@@ -196,9 +196,13 @@ class TrainConfig:
     total_batch_size: Optional[int] = None  # tokens per optimizer step; null = derived
     grad_accum_steps: Optional[int] = None  # null = derived from total_batch_size
     val_interval: int = 100  # validation loss every N steps (0 = never; always at the end)
-    val_batches: int = 8  # micro batches of the val split each validation reads (0 = no validation)
+    # Tokens of the val split each validation scores (0 = no validation), as nanochat's eval_tokens:
+    # the split's first val_tokens // seq_len sequences, the same set whatever the micro batch, world
+    # or accumulation (trainer/data/val_set.py). 8,192: what val_batches=8 read at the default 8 x 128.
+    val_tokens: int = 8192
+    val_batches: Optional[int] = None  # the old measure, in micro batches: sets val_tokens (keys.py)
     eval_interval: Optional[int] = None  # the old name of val_interval (RENAMED_KEYS)
-    eval_batches: Optional[int] = None  # the old name of val_batches (RENAMED_KEYS)
+    eval_batches: Optional[int] = None  # the older name of val_batches (RENAMED_KEYS)
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16

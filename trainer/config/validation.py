@@ -97,7 +97,8 @@ RANGES = {
     "train.total_batch_size": _at_least(1),
     "train.grad_accum_steps": _at_least(1),
     "train.val_interval": _at_least(0),  # 0 = only at the end
-    "train.val_batches": _at_least(0),  # 0 = no validation loss
+    "train.val_tokens": _at_least(0),  # 0 = no validation loss
+    "train.val_batches": _at_least(0),  # the old measure (keys.py _val_batches_as_tokens): left here only when negative
     "train.log_interval": _at_least(1),
     "train.sample_tokens": _at_least(0),  # 0 = no sample
     "train.peak_flops": _positive(),
@@ -245,6 +246,10 @@ def validate(cfg: DictConfig) -> None:
     if t.loss_chunks > t.seq_len:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
+    if 0 < t.val_tokens < t.seq_len:
+        raise ConfigError(f"train.val_tokens={t.val_tokens} is less than one sequence of train.seq_len={t.seq_len}: "
+                          f"validation scores whole sequences; set train.val_tokens={t.seq_len} or more "
+                          "(or 0 for no validation)")
     check_block(m)
     check_model_size(m)
     check_dataset_name(cfg.data)

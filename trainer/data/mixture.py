@@ -112,27 +112,26 @@ def check_sources(data_cfg) -> None:
     refuse_foreign_tokenizer(configs[first], first_folder / MANIFEST, first_manifest)
 
 
-def check_mixture_data(cfg, world: int, val_need: int, hold: Callable[[Path], None] | None = None) -> None:
+def check_mixture_data(cfg, val_need: int, hold: Callable[[Path], None] | None = None) -> None:
     """A mixture's data before a run (preflight.check_data's): its weights, its sources (prepared, one
     tokenizer), a shard of each source's train split holding one sequence and, when the run
     validates (`val_need` tokens, preflight.check_data's: 0 without validation), one of its val split
-    holding one validation batch. `hold`: takes each source's folder (the run's lock on it, against a
-    re-prepare)."""
+    holding one validation sequence (each source's validation set: trainer/data/val_set.py). `hold`:
+    takes each source's folder (the run's lock on it, against a re-prepare)."""
     check_sources(cfg.data)
     t = cfg.train
     for name, source in source_configs(cfg.data).items():
         if hold is not None:
             hold(dataset_dir(source))
-        needs = {"train": (t.seq_len + 1, "one sequence", "seq_len", "lower train.seq_len")}
+        needs = {"train": (t.seq_len + 1, "one sequence", "lower train.seq_len")}
         if val_need:
-            needs["val"] = (val_need, "one validation batch",
-                            f"micro_batch_size x seq_len x world {world}",
-                            "lower the micro batch or world, or set train.val_batches=0 to train without validation")
-        for split, (need, what, made_of, fix) in needs.items():
+            needs["val"] = (val_need, "one validation sequence",
+                            "lower train.seq_len, or set train.val_tokens=0 to train without validation")
+        for split, (need, what, fix) in needs.items():
             have = max((len(s) for s in open_split(source, split)), default=0)
             if have < need:
                 raise DataError(f"the {split} split of data.mix's source {name!r} holds at most {have:,} tokens per "
-                                f"shard but {what} needs {need:,} ({made_of}, +1); {fix}, or prepare {name!r} "
+                                f"shard but {what} needs {need:,} (seq_len, +1); {fix}, or prepare {name!r} "
                                 "from more text")
 
 
@@ -167,17 +166,18 @@ class Schedule:
 
 
 def mixed_figures(sums: dict[str, list[float]], weights: dict[str, float]) -> dict[str, float]:
-    """Validation of a mixture from each source's [mean loss, nats over the targets that stand for
-    bytes, their bytes, targets]: `val_loss/<source>` and `val_bpb/<source>`, and overall the
-    expected figures of the mixture's token stream, each source at its weight: `val_loss` the weighted
-    loss per token, `val_bpb` the weighted bits per token over the weighted bytes per token."""
+    """Validation of a mixture from each source's validation set: [nats over every target, nats over
+    the targets that stand for bytes, their bytes, targets]: `val_loss/<source>` (nats per token) and
+    `val_bpb/<source>`, and overall the expected figures of the mixture's token stream, each source
+    at its weight: `val_loss` the weighted loss per token, `val_bpb` the weighted bits per token over
+    the weighted bytes per token."""
     figures: dict[str, float] = {}
     bits = nbytes = 0.0
-    for name, (loss, nats, source_bytes, targets) in sums.items():
-        figures[f"val_loss/{name}"] = loss
-        figures[f"val_bpb/{name}"] = nats / (math.log(2) * source_bytes) if source_bytes else math.nan
-        bits += weights[name] * nats / math.log(2) / targets
+    for name, (nats, nats_in_bytes, source_bytes, targets) in sums.items():
+        figures[f"val_loss/{name}"] = nats / targets
+        figures[f"val_bpb/{name}"] = nats_in_bytes / (math.log(2) * source_bytes) if source_bytes else math.nan
+        bits += weights[name] * nats_in_bytes / math.log(2) / targets
         nbytes += weights[name] * source_bytes / targets
-    overall = {"val_loss": math.fsum(weights[name] * sums[name][0] for name in sums),
+    overall = {"val_loss": math.fsum(weights[name] * figures[f"val_loss/{name}"] for name in sums),
                "val_bpb": bits / nbytes if nbytes else math.nan}
     return {**overall, **figures}

@@ -151,7 +151,7 @@ def _run_point(cfg, point: _Point, lock: RunDirLock | None, runner: Callable[[Ru
     finished, figures = run_figures(point.dir)
     if finished:
         best = figures["best_val_loss"]
-        point.record("ok", {**figures, "wall_s": (previous or {}).get("wall_s", figures["wall_s"]), "error": None})
+        point.record("ok", {**figures, "wall_s": _wall(figures, (previous or {}).get("wall_s")), "error": None})
         console.print(f"[green]sweep point #{num} finished earlier[/] (best val loss "
                       f"{'-' if best is None else f'{best:.4f}'}); skipping it")
         return math.inf if best is None else float(best)
@@ -192,8 +192,15 @@ def _run_point(cfg, point: _Point, lock: RunDirLock | None, runner: Callable[[Ru
     best = figures["best_val_loss"]
     if best is None and finite_or_none(result.get("best_val_loss")) is not None:
         best = figures["best_val_loss"] = result["best_val_loss"]
-    point.record("ok", {**figures, "wall_s": wall, "error": None})
+    point.record("ok", {**figures, "wall_s": _wall(figures, wall), "error": None})
     return math.inf if best is None else float(best)
+
+
+def _wall(figures: dict[str, Any], attempt_s: float | None) -> float | None:
+    """A finished point's wall time: its run's summary wall_s, every start's (a point resumed after a
+    failure or a kill started more than once), the time its tokens/s is over; this attempt's seconds
+    only where the run recorded none."""
+    return figures["wall_s"] if figures.get("wall_s") is not None else attempt_s
 
 
 def _headline(message: str) -> str:

@@ -67,11 +67,11 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     reads the data as prepared (its checkpoint's data identity is checked, continuation.py)."""
     plan = batch_plan(cfg, world)
     train_need = plan.total_batch_size + 1
-    # validation reads at least one micro batch per rank (trainer.train.loop's val loader)
-    val_need = plan.micro_batch_size * plan.seq_len * world + 1 if _validates(cfg) else 0
+    # validation reads whole sequences, at least one (trainer/data/val_set.py)
+    val_need = plan.seq_len + 1 if _validates(cfg) else 0
     if mixture_weights(cfg.data):
         hold = None if lock is None else lambda folder: lock.hold(hold_for_reading(folder))
-        check_mixture_data(cfg, world, val_need, hold)
+        check_mixture_data(cfg, val_need, hold)
         return
     check_prepared_source(cfg.data, files=not continues)
     if cfg.data.auto_prepare:
@@ -101,27 +101,29 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
         val = open_split(cfg.data, "val")
         if val_need:
             _check_largest_shard(cfg, "val", val, val_need, world, "raise data.val_fraction and prepare again, "
-                                 "set train.val_batches=0 to train without validation, or lower the micro batch")
+                                 "set train.val_tokens=0 to train without validation, or lower train.seq_len")
 
 
 def _validates(cfg) -> bool:
-    return cfg.data.val_fraction > 0 and cfg.train.val_batches > 0
+    return cfg.data.val_fraction > 0 and cfg.train.val_tokens > 0
 
 
 def _check_largest_shard(cfg, split: str, shards, need: int, world: int, fix: str) -> None:
     have = max((len(s) for s in shards), default=0)
     if have < need:
-        per = "optimizer step" if split == "train" else "validation batch"
+        t = cfg.train
+        per, made_of = ("validation sequence", f"seq_len {t.seq_len}") if split == "val" else (
+            "optimizer step", f"micro_batch_size {t.micro_batch_size} x seq_len {t.seq_len} x world {world} "
+                              "x accumulation")
         raise DataError(
             f"the {split} split of dataset {cfg.data.name!r} holds at most {have:,} tokens per shard but one {per} "
-            f"needs {need:,} (micro_batch_size {cfg.train.micro_batch_size} x seq_len {cfg.train.seq_len} x world "
-            f"{world}{' x accumulation' if split == 'train' else ''}, +1); {fix}"
+            f"needs {need:,} ({made_of}, +1); {fix}"
         )
 
 
 def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
     """data.max_tokens caps the dataset prepare writes: refused, naming the value that fits one
-    optimizer step and one validation batch, when it cannot (the stream is cut into splits as
+    optimizer step and one validation sequence, when it cannot (the stream is cut into splits as
     prepare cuts it: round(total x val_fraction) tokens, at least one, go to validation)."""
     cap = data_cfg.max_tokens
     if cap is None:
@@ -141,9 +143,10 @@ def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
                 math.ceil((val_need - 0.5) / fraction) if fraction > 0 else 0)  # then a few steps to round's edge
     while not fits(least):
         least += 1
+    and_val = f" and one validation sequence {val_need:,}" if val_need else ""
     raise DataError(
         f"data.max_tokens={cap} leaves {cap - val_tokens(cap):,} training and {val_tokens(cap):,} validation tokens, "
-        f"but one optimizer step needs {train_need:,}{f' and one validation batch {val_need:,}' if val_need else ''}; "
+        f"but one optimizer step needs {train_need:,}{and_val}; "
         f"set data.max_tokens={least} or more (or null for all)"
     )
 

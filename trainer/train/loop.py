@@ -19,6 +19,7 @@ from trainer.data.mix_loader import MixtureLoader
 from trainer.data.mixture import mixed_figures, mixture_weights, source_configs
 from trainer.data.shards import open_split, redo_command
 from trainer.data.tokenizers import load_tokenizer
+from trainer.data.val_set import ValidationSet
 from trainer.errors import NonFiniteError
 from trainer.evals.generate import generate_text
 from trainer.evals.hellaswag import HellaSwagEval
@@ -29,7 +30,7 @@ from trainer.observe.trackers import open_trackers
 from trainer.optim.build import build_optimizer, describe_split, masks_on_device
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
-from trainer.process.joblog import job_log
+from trainer.process.joblog import job_log, say
 from trainer.process.runtime import Runtime
 from trainer.process.signals import at_step_boundary
 from trainer.train.nonfinite import NonFiniteGuard
@@ -47,6 +48,7 @@ class TrainState:
     last_loss: float = math.nan
     train_s: float = 0.0  # seconds in training steps (StepLog), all sessions
     excluded_s: dict = field(default_factory=dict)  # the other seconds, by kind: evaluation, checkpoint, ...
+    wall_s: float = 0.0  # the training loop's seconds, all sessions: train_s plus excluded_s (StepLog)
     target: dict | None = None  # train.target_val_loss's record once reached (trainer/train/target.py)
 
 
@@ -55,13 +57,14 @@ class RunResult:
     final_loss: float
     best_val_loss: float
     tokens: int
-    tokens_per_s: float  # wall clock: evaluation, checkpoints and the sample's time included
-    train_tokens_per_s: float  # in training steps only, as the step lines measure it
-    wall_s: float
+    tokens_per_s: float  # tokens / wall_s: evaluation and checkpoints included, over every start
+    train_tokens_per_s: float  # in training steps only, as the step lines measure it (this start's steps)
+    wall_s: float  # the training loop's seconds over every start of the run (train_s plus excluded_s)
     steps: int
     final_val_bpb: float = math.nan  # bits per byte at the last validation (Run.val_loss)
     train_s: float = 0.0  # in training steps only, the first step of each session excepted (StepLog)
     excluded_s: dict = field(default_factory=dict)  # the other seconds by kind: beside the figures too
+    session_wall_s: float = 0.0  # the training loop's seconds in this start alone (wall_s for a run never stopped)
     skipped: int = 0  # updates skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
     rollbacks: int = 0  # rollbacks to the newest finite checkpoint (train.on_nonfinite=rollback)
     # what produced the figures (trainer/observe/provenance.py): in the summary record beside the figures,
@@ -91,13 +94,10 @@ class Run:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.strategy)
         self.mix_weights = mixture_weights(cfg.data)  # None: one dataset
         sources = source_configs(cfg.data) or {cfg.data.name: cfg.data}
-        self.train_loader = self._mixture_loader(sources) if self.mix_weights else self._loader(
-            cfg.data, "train", self.plan.grad_accum_steps, shuffle=True)
-        self.val_loader = None  # one dataset's; val_loaders: every source's
-        self.val_loaders: dict[str, ShardLoader] = {}
-        if cfg.data.val_fraction > 0 and cfg.train.val_batches > 0:
-            self.val_loaders = {name: self._val_loader(data) for name, data in sources.items()}
-            self.val_loader = None if self.mix_weights else self.val_loaders[cfg.data.name]
+        self.train_loader = self._mixture_loader(sources) if self.mix_weights else self._loader(cfg.data)
+        self.val_sets: dict[str, ValidationSet] = {}  # every source's (one dataset: its own)
+        if cfg.data.val_fraction > 0 and cfg.train.val_tokens > 0:
+            self.val_sets = {name: self._val_set(data) for name, data in sources.items()}
             # bytes per id of the (padded) head; padding rows never stand for text: 0
             known = self.tokenizer.byte_lengths()[: raw_model.config.padded_vocab_size]
             padding = [0] * (raw_model.config.padded_vocab_size - len(known))
@@ -110,15 +110,17 @@ class Run:
         self.masks_on_device = masks_on_device(self.optimizer)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
-    def _val_loader(self, data) -> ShardLoader:
-        """Validation reads the first val_batches micro batches (rounded up to whole rounds of
-        `world`, so every world size scores the same tokens), or as many as the split holds."""
+    def _val_set(self, data) -> ValidationSet:
+        """The first train.val_tokens tokens of the val split (trainer/data/val_set.py), or as many
+        as it holds (rank 0 says so)."""
         t = self.cfg.train
-        shards = open_split(data, "val")
-        chunk = t.micro_batch_size * t.seq_len
-        available = max((len(s) - 1) // chunk for s in shards) // self.rt.world
-        rounds = max(1, min(math.ceil(t.val_batches / self.rt.world), available))
-        return self._loader(data, "val", rounds, shuffle=False, shards=shards)
+        what = f"val split of dataset {data.name!r}"
+        val = ValidationSet(open_split(data, "val"), t.val_tokens, t.micro_batch_size, t.seq_len, self.rt.rank,
+                            self.rt.world, self.rt.device, self.tokenizer.vocab_size, what, redo_command(data))
+        if val.sequences < val.wanted and self.rt.is_main:
+            say(f"the {what} holds {val.sequences:,} sequences of seq_len {t.seq_len} ({val.tokens:,} tokens), "
+                f"fewer than train.val_tokens={t.val_tokens:,} asks: validation scores them all")
+        return val
 
     def _mixture_loader(self, sources: dict) -> MixtureLoader:
         t = self.cfg.train
@@ -127,19 +129,19 @@ class Run:
                              t.seed, self.rt.device, vocab_size=self.tokenizer.vocab_size,
                              redo={name: redo_command(data) for name, data in sources.items()})
 
-    def _loader(self, data, split: str, accum: int, shuffle: bool, shards=None) -> ShardLoader:
+    def _loader(self, data) -> ShardLoader:
         t = self.cfg.train
         return ShardLoader(
-            shards if shards is not None else open_split(data, split),
+            open_split(data, "train"),
             t.micro_batch_size,
             t.seq_len,
             self.rt.rank,
             self.rt.world,
-            accum,
+            self.plan.grad_accum_steps,
             t.seed,
             self.rt.device,
-            shuffle_shards=shuffle,
-            what=f"{split} split of dataset {data.name!r}",
+            shuffle_shards=True,
+            what=f"train split of dataset {data.name!r}",
             vocab_size=self.tokenizer.vocab_size,
             redo=redo_command(data),
         )
@@ -208,33 +210,35 @@ class Run:
 
     @torch.no_grad()
     def val_figures(self) -> dict[str, float]:
-        """`val_loss` (mean loss) and `val_bpb` (bits per byte) over the first val_batches micro batches
-        of the val split, all ranks; a mixture's per source too (`val_loss/<source>`, ...) and overall
-        at the sources' weights (mixture.mixed_figures). Bits per byte: the summed loss in bits over
-        the UTF-8 bytes the target tokens stand for (a document boundary stands for none and is left
-        out, as nanochat counts it), so runs with different tokenizers compare."""
+        """`val_loss` (mean loss per token) and `val_bpb` (bits per byte) over the validation set (the
+        first train.val_tokens tokens of the val split, all ranks); a mixture's per source too
+        (`val_loss/<source>`, ...) and overall at the sources' weights (mixture.mixed_figures). Bits
+        per byte: the summed loss in bits over the UTF-8 bytes the target tokens stand for (a
+        document boundary stands for none and is left out, as nanochat counts it), so runs with
+        different tokenizers compare."""
         model = self.strategy.inference_model(self.model)
         model.eval()
-        sums = {name: self._val_sums(model, loader) for name, loader in self.val_loaders.items()}
+        sums = {name: self._val_sums(model, val) for name, val in self.val_sets.items()}
         if self.mix_weights:
             return mixed_figures(sums, self.mix_weights)
-        loss, nats, nbytes, _ = sums[self.cfg.data.name]
-        return {"val_loss": loss, "val_bpb": nats / (math.log(2) * nbytes) if nbytes else math.nan}
+        nats, nats_in_bytes, nbytes, targets = sums[self.cfg.data.name]
+        return {"val_loss": nats / targets, "val_bpb": nats_in_bytes / (math.log(2) * nbytes) if nbytes else math.nan}
 
-    def _val_sums(self, model, loader: ShardLoader) -> list[float]:
-        """[mean loss, nats over the targets with bytes, their bytes, targets] of one val split."""
-        loader.reset()
-        # [sum of the micro batches' mean losses, nats over the targets with bytes, their bytes, targets]
+    def _val_sums(self, model, val: ValidationSet) -> list[float]:
+        """[nats over every target, nats over the targets that stand for bytes, their bytes, targets]
+        of one validation set, summed per token over all ranks (float64: the same figure whatever
+        the batches the set is cut into)."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.rt.device)
-        for _ in range(loader.accum):
-            x, y = loader.next_batch()
+        for x, y, kept in val:
             with self.strategy.autocast():
                 _, losses = model(x, y, per_token=True)
-            nbytes = self.token_bytes[y.reshape(-1)]
-            sums[:3] += torch.stack([losses.mean(), losses[nbytes > 0].sum(), nbytes.sum()]).double()
-            sums[3] += y.numel()
-        loss, nats, nbytes, targets = self.rt.all_reduce_sum(sums).tolist()
-        return [loss / loader.accum / self.rt.world, nats, nbytes, targets]
+            kept = kept.reshape(-1)
+            # where, not a product: a padding row's non-finite loss must not count either
+            nats = torch.where(kept, losses.double(), 0.0)
+            nbytes = torch.where(kept, self.token_bytes[y.reshape(-1)], 0)
+            sums += torch.stack([nats.sum(), torch.where(nbytes > 0, nats, 0.0).sum(), nbytes.sum().double(),
+                                 kept.sum().double()])
+        return self.rt.all_reduce_sum(sums).tolist()
 
     def tokens_by_source(self) -> dict[str, int] | None:
         """A mixture's training tokens by source so far (metrics.jsonl's step records, the summary)."""
@@ -297,7 +301,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
                 steps.restart_window()
                 continue
             last = state.step == t.max_steps
-            if run.val_loaders and ((t.val_interval and state.step % t.val_interval == 0) or last):
+            if run.val_sets and ((t.val_interval and state.step % t.val_interval == 0) or last):
                 figures = run.val_figures()
                 val, bpb = figures["val_loss"], figures["val_bpb"]
                 if math.isfinite(val):
@@ -328,15 +332,17 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             at_step_boundary(run, checkpointer)  # a stop signal: all ranks save here and raise Stopped
             if last:  # max_steps, or the target reached
                 break
-        wall = time.perf_counter() - t_start
+        now = time.perf_counter()
+        wall = state.wall_s + now - steps.t_mark  # every start's, to this instant
         result = RunResult(
             final_loss=state.last_loss,
             best_val_loss=state.best_val_loss,
             final_val_bpb=val_bpb,
             tokens=state.tokens,
-            tokens_per_s=steps.trained_tokens / wall if wall > 0 else 0.0,
+            tokens_per_s=state.tokens / wall if wall > 0 else 0.0,  # both over every start
             train_tokens_per_s=steps.training_tokens_per_s(),
             wall_s=wall,
+            session_wall_s=now - t_start,
             steps=state.step,
             skipped=guard.skipped,
             rollbacks=guard.rollbacks,
@@ -350,7 +356,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
         if t.sample_tokens > 0:
             text = run.sample(t.sample_prompt, t.sample_tokens, t.seed)
             view.print("[bold]sample:[/]\n" + escape(text))
-        view.summary("run summary", _summary_rows(result, run_dir))
+        view.summary("run summary", _summary_rows(result, run_dir, resumed=start_step > 0))
         view.rank_line(f"finished at step {state.step}")
         if rt.is_main:
             figures = asdict(result)
@@ -367,7 +373,7 @@ def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
             checkpointer.close()
 
 
-def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
+def _summary_rows(result: RunResult, run_dir: Path, resumed: bool) -> dict[str, str]:
     return {
         "steps": f"{result.steps}",
         "tokens": f"{result.tokens:,}",
@@ -377,7 +383,8 @@ def _summary_rows(result: RunResult, run_dir: Path) -> dict[str, str]:
         # two figures, named so that neither is mistaken for the other (the step lines show the first)
         "tokens/s (training steps)": f"{result.train_tokens_per_s:,.0f}",
         "tokens/s (wall, with eval + ckpt)": f"{result.tokens_per_s:,.0f}",
-        "wall time": f"{result.wall_s:.1f} s",
+        # a continued run's wall time is every start's, as its tokens are; this start's beside it
+        "wall time": f"{result.wall_s:.1f} s" + (f" (this start {result.session_wall_s:.1f} s)" if resumed else ""),
         **({"time to target": describe_target(result.target)} if result.target else {}),
         **({"tokens by source": ", ".join(f"{name} {n:,} ({n / max(1, result.tokens):.1%})" for name, n in
                                           result.tokens_by_source.items())} if result.tokens_by_source else {}),

@@ -1,7 +1,8 @@
 """The loop's bookkeeping after each optimizer step (trainer/train/loop.py): tokens/s windows, MFU, ETA,
 the step's log record, and the split of the session's seconds into training (TrainState.train_s)
 and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, other), which time to
-target (trainer/train/target.py) reports."""
+target (trainer/train/target.py) reports. Each second counted in one of them counts in
+TrainState.wall_s too: like them it adds up over every start of the run (the checkpoint keeps it)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class StepLog:
 
     def _exclude(self, kind: str, now: float) -> None:
         if now > self.t_mark:
-            spent = self.run.state.excluded_s
-            spent[kind] = spent.get(kind, 0.0) + now - self.t_mark
+            state = self.run.state
+            state.excluded_s[kind] = state.excluded_s.get(kind, 0.0) + now - self.t_mark
+            state.wall_s += now - self.t_mark
 
     def after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """Account for the step Run.train_step just completed; log it when due."""
@@ -62,6 +64,7 @@ class StepLog:
             self._exclude("warmup", now)
         else:
             state.train_s += now - self.t_mark
+            state.wall_s += now - self.t_mark
         self.t_mark = now
         self.tokens_window += self.tokens_per_step
         self.trained_tokens += self.tokens_per_step
