@@ -178,7 +178,7 @@ def test_a_resume_into_a_folder_holding_another_run_is_refused(data_dir, referen
     fork = lambda run_dir: tiny_args(data_dir, run_dir, *CKPT_ARGS, f"resume={start_from}")  # noqa: E731
     line = one_error_line(run_dtrain(fork(b)))
     assert f"run directory {b} holds another run (resolved_config.json, metrics.jsonl, 3 checkpoints)" in line, line
-    assert f"resume={start_from} continues" in line and f"resume={b} to continue" in line, line
+    assert f"resume={start_from} is not one of its checkpoints" in line and f"resume={b} to continue" in line, line
     assert snapshot(b) == before
 
     f = tmp_path / "f"  # a new folder: the run goes on there from A's step 3

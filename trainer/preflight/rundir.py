@@ -100,10 +100,11 @@ def check_resume_target(run_dir: Path, resume: str, ckpt: Path, config: dict | N
     started_from = (read_record(run_dir) or {}).get("resume")
     if started_from is not None and _same_checkpoint(started_from, resume, ckpt):
         return RunDirState.FINISHED if config is not None and _finished(run_dir, config) else RunDirState.CONTINUE
+    named = "" if Path(resume).expanduser() == Path(ckpt) else f" (its newest checkpoint {ckpt})"
     raise UserError(
-        f"run directory {run_dir} holds another run ({', '.join(held)}), and resume={resume} continues "
-        f"{ckpt}, which is not one of its checkpoints: continuing there would overwrite that run's outputs; "
-        f"choose another hydra.run.dir= for the continuation, or resume={run_dir} to continue the run it holds"
+        f"run directory {run_dir} holds another run ({', '.join(held)}), and resume={resume}{named} is not one "
+        "of its checkpoints: continuing it there would overwrite that run's outputs; choose another "
+        f"hydra.run.dir= for the continuation, or resume={run_dir} to continue the run it holds"
     )
 
 
