@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers.checkpoints import same_weights, snapshot
+from helpers.checkpoints import crashed_copy, same_weights, snapshot
 from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
 from helpers.processes import wait_for_steps
+from helpers.runs import CKPT_ARGS
 from omegaconf import OmegaConf
 
 from trainer.config.compose import compose
@@ -160,3 +161,39 @@ def test_resume_naming_a_file_says_it_is_a_file(data_dir, tmp_path):
     line = one_error_line(run_dtrain(tiny_args(data_dir, run_dir, f"resume={path}")))
     assert f"{path} is a file, not a checkpoint" in line, line
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_resume_into_a_folder_holding_another_run_is_refused(data_dir, references, tmp_path):
+    """`resume=<run A's checkpoint> hydra.run.dir=<B>`, B holding another finished run (seed 7): one
+    line naming what B holds and both ways on; nothing of B touched (issue 45: its oldest checkpoint
+    was deleted and its metrics.jsonl rewritten). The same resume into a new folder starts a run there
+    that tracks A bitwise; typed again once it finished it does nothing; after a crash it goes on from
+    that folder's own newest checkpoint, not from A's again."""
+    a = references("none")  # 8 steps, checkpoints 3, 6 and 8
+    b = tmp_path / "b"
+    run_dtrain(tiny_args(data_dir, b, *CKPT_ARGS, "train.seed=7"), check=True)
+    before = snapshot(b)
+    start_from = a / "checkpoints" / "step_000003"
+    fork = lambda run_dir: tiny_args(data_dir, run_dir, *CKPT_ARGS, f"resume={start_from}")  # noqa: E731
+    line = one_error_line(run_dtrain(fork(b)))
+    assert f"run directory {b} holds another run (resolved_config.json, metrics.jsonl, 3 checkpoints)" in line, line
+    assert f"resume={start_from} is not one of its checkpoints" in line and f"resume={b} to continue" in line, line
+    assert snapshot(b) == before
+
+    f = tmp_path / "f"  # a new folder: the run goes on there from A's step 3
+    run_dtrain(fork(f), check=True)
+    want = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(a) if "loss" in r}
+    assert {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(f) if "loss" in r} == {
+        s: want[s] for s in range(4, 9)}
+    done = snapshot(f)
+    again = run_dtrain(fork(f))
+    assert again.returncode == 0 and f"run {f} already finished" in again.stdout, again.stdout + again.stderr
+    assert snapshot(f) == done
+
+    crashed = tmp_path / "crashed"  # f killed after its step-6 checkpoint, then the same command
+    crashed_copy(f, crashed, 6)
+    resumed = run_dtrain(fork(crashed), check=True)
+    assert f"resuming from {crashed / 'checkpoints' / 'step_000006'}" in resumed.stderr, resumed.stderr[-3000:]
+    assert {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(crashed) if "loss" in r} == {
+        s: want[s] for s in range(4, 9)}

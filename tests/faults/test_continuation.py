@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import copy_whole_run, flip, snapshot
+from helpers.checkpoints import copy_whole_run, crashed_copy, flip, snapshot
 from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import one_line_error
 from helpers.processes import finish, kill_group, logged, past_a_checkpoint, start_dtrain, wait_for
@@ -60,6 +60,12 @@ def with_data(args: list[str], name: str) -> list[str]:
     return [a.replace("data.name=corpus", f"data.name={name}") for a in args]
 
 
+def split_tokens(folder: Path) -> dict[str, int]:
+    """{split: tokens} of a prepared dataset, from its manifest."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return {split: sum(int(e["tokens"]) for e in entries) for split, entries in manifest["splits"].items()}
+
+
 def prepare_text(root: Path, name: str, source: Path, *extra: str) -> subprocess.CompletedProcess:
     return run_dtrain(["prepare", "data=text", f"data.name={name}", f"data.source={source}", f"data.dir={root}",
                        "data.val_fraction=0.1", *extra])
@@ -89,7 +95,10 @@ def test_world_change_keeps_the_global_batch_or_says_so(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_data_prepared_again_from_other_text_is_refused(tmp_path):
+def test_data_prepared_again_from_other_text_is_refused_and_resume_says_so(tmp_path):
+    """The same command refuses the run's data prepared again from other text; resume=<its checkpoint>
+    continues on the new data on purpose, saying so in one line (on stderr and in dtrain.log) that
+    names what changed (issue 45: it continued silently)."""
     root, source = tmp_path / "data", tmp_path / "notes.txt"
     text = corpus_text()
     source.write_text(text[: len(text) // 2])
@@ -99,17 +108,28 @@ def test_data_prepared_again_from_other_text_is_refused(tmp_path):
     stopped_run(args, run_dir, tmp_path / "stopped.log")
     before = snapshot(run_dir)
 
+    before_tokens = split_tokens(root / "notes")
     source.write_text(text[len(text) // 2:])  # edited text, the same settings
     prepared = prepare_text(root, "notes", source, "--force")
     assert prepared.returncode == 0, prepared.stderr[-2000:]
+    after_tokens = split_tokens(root / "notes")
     refused = run_dtrain(args)
     line = one_line_error(refused)
     assert "train split" in line and f"resume={run_dir}" in line, line
     assert snapshot(run_dir) == before, "the refused continuation trained or wrote"
 
-    # on purpose: resume=PATH continues its checkpoint on the new data
-    run_dtrain([*args, f"resume={run_dir}"], check=True)
+    # on purpose: resume=PATH continues its checkpoint on the new data, and says so once
+    (ckpt,) = list_checkpoints(run_dir / "checkpoints")
+    resumed = run_dtrain([*args, f"resume={ckpt}"], check=True)
     assert max(train_losses(run_dir)) == STEPS
+    said = [line for line in resumed.stderr.splitlines() if "was trained on other data" in line]
+    was, now = before_tokens, after_tokens
+    assert said == [f"dtrain: {ckpt} was trained on other data than dataset 'notes' in {root / 'notes'} holds now: "
+                    f"train split: {was['train']:,} tokens in 1 shard then, {now['train']:,} in 1 shard now; "
+                    f"val split: {was['val']:,} tokens in 1 shard then, {now['val']:,} in 1 shard now; continuing on "
+                    "the new data, as resume= asks (the checkpoints it saves record the new data)"], resumed.stderr
+    assert said[0].removeprefix("dtrain: ") in (run_dir / "dtrain.log").read_text()
+    assert newest_resumable(run_dir / "checkpoints").state["data"]["train"]["tokens"] == after_tokens["train"]
 
 
 @pytest.mark.slow
@@ -288,3 +308,37 @@ def test_a_crashed_run_is_continued_only_on_the_terms_its_checkpoints_record(dat
     assert sorted(got_lr) == list(range(1, 21))
     assert all(got_lr[s] == crashed_lr[s] for s in crashed_lr), (got_lr, crashed_lr)
     assert [r["step"] for r in read_metrics(run_dir) if "summary" in r] == [20]
+
+
+# --- a continuation that takes its sums in another order says so ------------------------------------
+@pytest.mark.slow
+def test_a_continuation_on_other_threads_says_it_is_not_bitwise(data_dir, references, tmp_path):
+    """A crashed run continued with launch.threads_per_worker changed (issue 45: best val loss
+    10.309918451 then 10.309918499, while the docs promised bitwise): one line, on stderr and in
+    dtrain.log, naming the threads it was saved with and runs with now; the losses within 1e-5 of the
+    uninterrupted run's. The same command with nothing changed: no such line, bitwise."""
+    reference = references("none")
+    saved = json.loads((reference / "checkpoints" / CKPT_NAMES[1] / STATE_FILE).read_text())
+    threads = os.cpu_count() or 1  # launch.threads_per_worker=null: the cores, for one worker
+    other = 1 if threads > 1 else 2
+    want = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(reference) if "loss" in r}
+    for name, extra in (("same", ()), ("other", (f"launch.threads_per_worker={other}",))):
+        run_dir = tmp_path / name
+        crashed_copy(reference, run_dir, 6)
+        proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *extra), check=True)
+        said = [line for line in proc.stderr.splitlines() if "order of floating-point sums" in line]
+        logged_lines = [line for line in (run_dir / "dtrain.log").read_text().splitlines()
+                        if "order of floating-point sums" in line]
+        got = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r}
+        assert sorted(got) == sorted(want)
+        if name == "same":
+            assert not said and not logged_lines, said
+            assert got == want
+            continue
+        assert said == [f"dtrain: continuing {CKPT_NAMES[1]} with launch.threads_per_worker {threads} then, {other} "
+                        "now: that changes the order of floating-point sums, so the losses will not be bitwise those "
+                        "of an uninterrupted run (on CPU in fp32 they stay within ~1e-5 of them: "
+                        "docs/checkpoints.md#resume)"], proc.stderr[-3000:]
+        assert len(logged_lines) == 1 and logged_lines[0].endswith(said[0].removeprefix("dtrain: ")), logged_lines
+        assert max(abs(got[s][0] - want[s][0]) for s in got) < 1e-5, (got, want)
+    assert saved["threads_per_worker"] == threads and saved["device"] == "cpu"  # what the checkpoint records

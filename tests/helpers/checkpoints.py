@@ -87,6 +87,20 @@ def copy_whole_run(reference: Path, dest: Path) -> Path:
     return dest / "checkpoints"
 
 
+def crashed_copy(reference: Path, dest: Path, step: int) -> None:
+    """A run dir as a kill -9 soon after its step-`step` checkpoint would leave the reference run:
+    its config record, its metrics up to that step (no summary), its checkpoints up to that one. The
+    same command continues it from there, and must end as the reference did."""
+    dest.mkdir(parents=True)
+    shutil.copy(reference / "resolved_config.json", dest / "resolved_config.json")
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
+                                                if r["step"] <= step and "summary" not in r))
+    for ckpt in list_checkpoints(reference / "checkpoints"):
+        if int(ckpt.name.removeprefix("step_")) <= step:
+            shutil.copytree(ckpt, dest / "checkpoints" / ckpt.name)
+
+
 def flip(file: Path, offset: int, count: int = 64) -> None:
     """Invert `count` real bytes of a file in place (its size stays the same)."""
     with file.open("r+b") as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.checkpoints import loss_records, snapshot
+from helpers.checkpoints import crashed_copy, loss_records, snapshot
 from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
 from helpers.processes import kill_past_a_checkpoint
@@ -31,10 +31,13 @@ from helpers.tokenizers import byte_level_folder
 
 from trainer.checkpoint.records import newest_resumable
 from trainer.config.compose import compose
+from trainer.config.keys import run_identity
+from trainer.config.schema import to_dict
 from trainer.data.mix_loader import MixtureLoader
 from trainer.data.mixture import Schedule, mixed_figures, mixture_weights
 from trainer.errors import ConfigError, DataError
 from trainer.preflight.continuation import check_same_data
+from trainer.preflight.rundir import trajectory_changes
 
 SEQ = 16
 B_OFFSET = 1000  # source b's ids are 1000 + position: a row's first id says its source
@@ -135,6 +138,21 @@ def test_weights_are_normalised_and_checked():
         with pytest.raises(ConfigError, match="data.mix") as err:
             mixture_weights({"name": "mix", "mix": mix})
         assert needle in str(err.value), err.value
+
+
+def test_weights_in_one_proportion_are_one_setting_and_one_run_folder():
+    """Compared and named after normalizing, as the loader reads them (issue 45: {a: 7, b: 3} was
+    refused as a changed setting of a {a: 0.7, b: 0.3} run); {0.3, 0.3, 0.3} and {1, 1, 1} give the
+    same floats too, which plain division does not (0.33333333333333337)."""
+    def job(mix: str) -> dict:
+        return to_dict(compose(["data=mix", f"data.mix={mix}"]))
+
+    for written, same in [("{a: 7, b: 3}", "{a: 0.7, b: 0.3}"), ("{a: 0.3, b: 0.3, c: 0.3}", "{a: 1, b: 1, c: 1}")]:
+        assert trajectory_changes(job(same), job(written)) == []
+        assert run_identity(job(same)) == run_identity(job(written))
+        assert mixture_weights(job(same)["data"]) == mixture_weights(job(written)["data"])
+    assert trajectory_changes(job("{a: 0.7, b: 0.3}"), job("{a: 0.6, b: 0.4}")) == ["data.mix.a", "data.mix.b"]
+    assert run_identity(job("{a: 0.7, b: 0.3}")) != run_identity(job("{a: 0.6, b: 0.4}"))
 
 
 def test_a_source_not_prepared_is_one_line(data_dir, tmp_path):
@@ -274,6 +292,29 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
                 "data.val_fraction=0.5", "--force"], check=True)
     with pytest.raises(DataError, match="data.mix's datasets 'a', 'b' in .* is not the data .*b/train split"):
         check_same_data(compose(mix_args(data, run_dir)[1:]), run_dir, chosen)
+
+
+@pytest.mark.slow
+def test_a_crashed_mixture_continues_with_its_weights_written_otherwise(mix_dir, mix_runs, tmp_path):
+    """A {a: 0.7, b: 0.3} run crashed after its step-15 checkpoint: the command with {a: 7, b: 3}
+    continues it and ends bitwise as the uninterrupted run (issue 45: refused as a changed setting);
+    {a: 0.6, b: 0.4} is still one line naming resume=, nothing written."""
+    reference, _ = mix_runs("none")
+    run_dir = tmp_path / "run"
+    crashed_copy(reference, run_dir, REFERENCE_STEPS - 1)
+    args = checkpointed_args(mix_dir, run_dir, "none")
+    before = snapshot(run_dir)
+    assert_user_error(run_dtrain(retyped(args, "{a: 0.6, b: 0.4}")), "data.mix.a=0.7 there vs 0.6", f"resume={run_dir}")
+    assert snapshot(run_dir) == before
+    resumed = run_dtrain(retyped(args, "{a: 7, b: 3}"), check=True)
+    assert f"resuming from {run_dir / 'checkpoints'}/step_0000{REFERENCE_STEPS - 1}" in resumed.stderr, resumed.stderr
+    assert loss_records(run_dir) == loss_records(reference)
+    by_source = [r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r]
+    assert by_source == [r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r]
+
+
+def retyped(args: list[str], mix: str) -> list[str]:
+    return [f"data.mix={mix}" if a.startswith("data.mix=") else a for a in args]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.deferred import dcp, verify
@@ -35,6 +36,7 @@ from trainer.checkpoint.layout import (
     resolve_checkpoint,
     step_dir_name,
 )
+from trainer.checkpoint.resume_notes import ran_with, resume_notes
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
@@ -94,14 +96,16 @@ class Checkpointer:
         (its path, its DCP index, its trainer state) for every rank, or None to start afresh."""
         try:
             self._cleanup()
-            resume, restarted = self.cfg.resume, restart_count() > 0
-            # resume=never refused this run dir up front; a restart of the same job still
-            # continues its own checkpoints, whatever resume= says.
-            own = restarted or resume == "auto"
-            if resume not in ("auto", "never") and not (restarted and latest_checkpoint(self.root.parent)):
-                ckpt, checked = check_explicit(resolve_checkpoint(resume), self.cfg.model)
-            elif own and (chosen := choose_own(self.root, self.cfg.model, self._say)) is not None:
+            resume = self.cfg.resume
+            named = None if resume in ("auto", "never") else resolve_checkpoint(resume)
+            # resume=never refused this run dir up front. Own checkpoints first: resume=auto, a restarted job,
+            # a resume= of another run's checkpoint typed again once this run saved its own (preflight/rundir.py)
+            foreign = named is not None and named.resolve().parent != self.root.resolve()
+            if ((restart_count() > 0 or resume == "auto" or foreign)
+                    and (chosen := choose_own(self.root, self.cfg.model, self._say)) is not None):
                 ckpt, checked = chosen
+            elif named is not None:
+                ckpt, checked = check_explicit(named, self.cfg.model)
             else:
                 return None
             metadata, saved, _ = checked
@@ -163,6 +167,9 @@ class Checkpointer:
         self._say(f"resuming from {ckpt} (step {state.step})")
         if self.rt.is_main:
             self.last_bytes = folder_bytes(ckpt)
+            now = ran_with(self.cfg, self.rt, run.plan, torch.get_num_threads())
+            for note in resume_notes(ckpt, saved, now, self.identity, self.cfg.data):
+                say(note)
 
     def check_room_at_start(self, run) -> None:
         """Before the first step: room for a checkpoint as large as the one resumed, or for a fresh
@@ -246,13 +253,7 @@ class Checkpointer:
                 "last_loss": _json_float(s.last_loss),
                 "train_s": s.train_s, "excluded_s": s.excluded_s, "wall_s": s.wall_s,  # over every session
                 "target": s.target,
-                "world": self.rt.world,
-                "parallel": self.cfg.parallel.mode,
-                # what a continuation must keep (trainer/preflight/continuation.py)
-                "total_batch_size": run.plan.total_batch_size,
-                "micro_batch_size": run.plan.micro_batch_size,
-                "seq_len": run.plan.seq_len,
-                "grad_accum_steps": run.plan.grad_accum_steps,
+                **ran_with(self.cfg, self.rt, run.plan, torch.get_num_threads()),  # world, batch, threads...
                 **self.identity,  # "data" and "tokenizer"
                 "time": time.time(),
                 "loaders": [g["loader"] for g in gathered],

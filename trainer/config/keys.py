@@ -7,7 +7,9 @@
 - operational keys say how the run is launched, watched and saved: world size and mode, launch
   settings, how often it logs, evaluates, samples and checkpoints, how many checkpoints it keeps,
   trackers, progress bars. The same command with them changed continues the run (the record is
-  rewritten with a line saying what changed); the losses are those of an uninterrupted run.
+  rewritten with a line saying what changed). The losses are those of an uninterrupted run, bitwise
+  unless the change takes floating-point sums in another order (threads, world, mode, compile, loss
+  pieces: within ~1e-5 on CPU, and the resume says so: trainer/checkpoint/resume_notes.py).
 
 An entry ending in "." covers a whole section. tests/cli/test_rundir.py fails when a key of the
 schema is in neither table (or in both). Torch-free, like the schema.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+from fractions import Fraction
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -74,6 +78,31 @@ def without_added_defaults(keys: dict) -> dict:
     return {k: v for k, v in keys.items() if k not in ADDED_KEYS or v != ADDED_KEYS[k]}
 
 
+def comparable_keys(config: dict) -> dict:
+    """The dotted keys runs are compared and named by (a resolved config as plain data): less the
+    ADDED_KEYS at their older meaning, and a mixture's weights normalized, since weights in the same
+    proportions (`{a: 7, b: 3}`, `{a: 0.7, b: 0.3}`) are the same data, read in the same order."""
+    data = config.get("data")
+    mix = data.get("mix") if isinstance(data, dict) else None
+    if isinstance(mix, dict) and mix and all(is_weight(w) for w in mix.values()):
+        config = {**config, "data": {**data, "mix": normalized_weights(mix)}}
+    return without_added_defaults(dotted_keys(config))
+
+
+def normalized_weights(mix: dict) -> dict[str, float]:
+    """A mixture's weights over their sum, by name (positive numbers: trainer/data/mixture.py checks
+    them). Each is rounded once from the exact quotient of the numbers as written (a float's shortest
+    decimal), so weights in one proportion give the same floats whichever way they are written
+    (`{a: 0.3, b: 0.3, c: 0.3}` and `{a: 1, b: 1, c: 1}` too, which plain division tells apart)."""
+    exact = {str(name): Fraction(w) if isinstance(w, int) else Fraction(repr(float(w))) for name, w in mix.items()}
+    total = sum(exact.values())
+    return {name: float(exact[name] / total) for name in sorted(exact)}
+
+
+def is_weight(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _matches(key: str, entries: tuple[str, ...]) -> bool:
     return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
 
@@ -98,8 +127,7 @@ def run_identity(config: dict) -> str:
     keeps it, a changed trajectory key is another run in another folder. The batch keys are left
     out: the global batch they make is checked against the checkpoint's (a continuation told to
     repeat train.total_batch_size must land in the same folder)."""
-    keys = {k: v for k, v in without_added_defaults(dotted_keys(config)).items()
-            if key_kind(k) == "trajectory" and k not in BATCH_KEYS}
+    keys = {k: v for k, v in comparable_keys(config).items() if key_kind(k) == "trajectory" and k not in BATCH_KEYS}
     digest = hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:8]
     model, data = config.get("model", {}).get("name"), config.get("data", {}).get("name")
     parts = [str(p) for p in (model, data) if p] + [digest]

@@ -55,6 +55,19 @@ def tokenizer_changes(was: dict, now: dict) -> list[str]:
             if key in was and was.get(key) != now.get(key)]
 
 
+def data_changes(was: dict, now: dict) -> list[str]:
+    """What differs between the data and tokenizer a checkpoint recorded (its trainer state's "data"
+    and "tokenizer") and `now` (recorded_identity of the data a run reads now), in identity_changes'
+    and tokenizer_changes' phrases. A part either lacks (a checkpoint from before it was recorded,
+    data without a manifest) is not a change."""
+    changes = []
+    if isinstance(was.get("data"), dict) and now.get("data") is not None:
+        changes += identity_changes(was["data"], now["data"])
+    if isinstance(was.get("tokenizer"), dict) and now.get("tokenizer") is not None:
+        changes += tokenizer_changes(was["tokenizer"], now["tokenizer"])
+    return changes
+
+
 def _split_identity(entries: list[dict]) -> dict:
     digest = hashlib.sha256()
     for entry in entries:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.config.keys import is_weight, normalized_weights
 from trainer.data.hints import prepare_hint
 from trainer.data.layout import MANIFEST, as_data_cfg, dataset_dir, prepared_folders
 from trainer.data.manifest import describe_tokenizer, recorded_tokenizer
@@ -46,11 +47,10 @@ def mixture_weights(data_cfg) -> dict[str, float] | None:
     for name, weight in mix.items():
         if not str(name).strip() or str(name) in (".", "..") or "/" in str(name) or os.sep in str(name):
             raise ConfigError(f"data.mix names {name!r}, not a dataset's folder name in data.dir; e.g. {EXAMPLE}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        if not is_weight(weight):
             raise ConfigError(f"data.mix gives {name!r} the weight {weight!r}: a weight is a positive number "
                               f"(the weights are normalised to sum 1); e.g. {EXAMPLE}")
-    total = math.fsum(float(w) for w in mix.values())
-    return {str(name): float(mix[name]) / total for name in sorted(mix, key=str)}
+    return normalized_weights(mix)
 
 
 def source_configs(data_cfg) -> dict[str, DictConfig]:

@@ -22,7 +22,7 @@ from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
 from trainer.checkpoint.records import Resumable, newest_resumable
 from trainer.config.keys import BATCH_KEYS
 from trainer.config.schema import batch_plan, to_dict
-from trainer.data.identity import data_identity, identity_changes, tokenizer_changes, tokenizer_identity
+from trainer.data.identity import data_changes, recorded_identity
 from trainer.data.mixture import describe_data
 from trainer.errors import ConfigError, DataError
 from trainer.io import dotted_keys
@@ -55,12 +55,8 @@ def check_same_data(cfg, run_dir: Path, chosen: Resumable | None) -> None:
     """The prepared data and its tokenizer against what the checkpoint to be resumed recorded."""
     if chosen is None:
         return
-    was, now = chosen.state.get("data"), data_identity(cfg.data)
-    changes = identity_changes(was, now) if isinstance(was, dict) and now is not None else []
-    was_tok, now_tok = chosen.state.get("tokenizer"), tokenizer_identity(cfg.data)
-    if isinstance(was_tok, dict) and now_tok is not None:
-        changes += tokenizer_changes(was_tok, now_tok)
     # A checkpoint from before these were recorded: the data.* keys were compared as trajectory keys.
+    changes = data_changes(chosen.state, recorded_identity(cfg.data))
     if changes:
         raise DataError(
             f"{describe_data(cfg.data)} is not the data the run in {run_dir} trained on "

@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.integrity import check_chosen_files
-from trainer.checkpoint.layout import checkpoint_step, has_checkpoint, latest_checkpoint, resolve_checkpoint
-from trainer.config.keys import BATCH_KEYS, is_operational, without_added_defaults
+from trainer.checkpoint.layout import (
+    CHECKPOINT_DIR,
+    checkpoint_step,
+    has_checkpoint,
+    latest_checkpoint,
+    resolve_checkpoint,
+)
+from trainer.config.keys import BATCH_KEYS, comparable_keys, is_operational
 from trainer.errors import UserError
 from trainer.io import check_writable_dir, dotted_keys, flock_holder, new_file_mode, one_line, write_atomic
 from trainer.observe.metrics import METRICS_FILE, read_metrics
@@ -42,7 +48,7 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
 
     resume=auto continues this run's own outputs; resume=never refuses a directory with outputs;
     resume=PATH must name a complete checkpoint (or a run directory with one) and continues it
-    whatever the directory holds. Without `config`
+    where no other run's outputs are (check_resume_target). Without `config`
     nothing tells this run's leftovers from another run's, so only a checkpoint can be continued.
     A restarted attempt of the same elastic job (TORCHELASTIC_RESTART_COUNT > 0) always continues.
     The folder must be writable (see trainer.io.check_writable_dir).
@@ -53,8 +59,9 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     if resume not in ("auto", "never"):
         # An explicit checkpoint is the user's choice of what to continue, also with another
         # schedule or settings (the record is then rewritten with a line saying what changed).
-        check_chosen_files(resolve_checkpoint(resume))  # CheckpointError naming what is wrong with PATH
-        return RunDirState.CONTINUE
+        ckpt = resolve_checkpoint(resume)
+        check_chosen_files(ckpt)  # CheckpointError naming what is wrong with PATH
+        return check_resume_target(run_dir, resume, ckpt, config)
     has_outputs = (run_dir / METRICS_FILE).exists() or has_checkpoint(run_dir, complete=False)
     if not has_outputs:
         return RunDirState.NEW
@@ -75,11 +82,64 @@ def check_run_dir(run_dir: Path, resume: str, config: dict | None = None) -> Run
     return RunDirState.FINISHED if _finished(run_dir, config) else RunDirState.CONTINUE
 
 
+def check_resume_target(run_dir: Path, resume: str, ckpt: Path, config: dict | None = None) -> RunDirState:
+    """Where resume=PATH (checkpoint `ckpt`) may write. A run directory holds one run, whose outputs
+    (resolved_config.json, metrics.jsonl, checkpoints/step_*) a continuation of another run's
+    checkpoint would overwrite: its metrics cut back to the checkpoint's step, its later checkpoints
+    removed as abandoned. So resume=PATH goes on in a folder holding none of them (NEW: a run that
+    starts from the checkpoint), in the folder `ckpt` is a checkpoint of (its run, continued from
+    there on purpose), or in a folder whose record says its run was started by resume= of this same
+    checkpoint: the same command again after a crash or a stop, which goes on from that run's own
+    newest checkpoint (trainer/checkpoint/manager.py; from `ckpt` while it has none) or, finished,
+    does nothing. Anything else is one UserError, nothing written."""
+    held = run_outputs(run_dir)
+    if not held:
+        return RunDirState.NEW
+    if owns_checkpoint(run_dir, ckpt):
+        return RunDirState.CONTINUE
+    started_from = (read_record(run_dir) or {}).get("resume")
+    if started_from is not None and _same_checkpoint(started_from, resume, ckpt):
+        return RunDirState.FINISHED if config is not None and _finished(run_dir, config) else RunDirState.CONTINUE
+    named = "" if Path(resume).expanduser() == Path(ckpt) else f" (its newest checkpoint {ckpt})"
+    raise UserError(
+        f"run directory {run_dir} holds another run ({', '.join(held)}), and resume={resume}{named} is not one "
+        "of its checkpoints: continuing it there would overwrite that run's outputs; choose another "
+        f"hydra.run.dir= for the continuation, or resume={run_dir} to continue the run it holds"
+    )
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """What of a run `run_dir` holds: its record, its metrics, its checkpoints (complete or not)."""
+    held = [name for name in (CONFIG_RECORD, METRICS_FILE) if (run_dir / name).exists()]
+    root = run_dir / CHECKPOINT_DIR
+    saves = [p for p in root.iterdir() if checkpoint_step(p) is not None] if root.is_dir() else []
+    if saves:
+        held.append(f"{len(saves)} checkpoint{'s' if len(saves) > 1 else ''}")
+    return held
+
+
+def owns_checkpoint(run_dir: Path, ckpt: Path) -> bool:
+    """`ckpt` is one of run_dir's own checkpoints (under its checkpoints/ folder)."""
+    return Path(ckpt).resolve().parent == (run_dir / CHECKPOINT_DIR).resolve()
+
+
+def _same_checkpoint(recorded: str, resume: str, ckpt: Path) -> bool:
+    """The run was started by resume=`recorded`: as typed now, or naming the same checkpoint."""
+    if not isinstance(recorded, str) or recorded in ("auto", "never"):
+        return False
+    if recorded == resume:
+        return True
+    try:
+        return resolve_checkpoint(recorded).resolve() == Path(ckpt).resolve()
+    except UserError:  # that checkpoint is gone: another run's start
+        return False
+
+
 def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | None = None) -> None:
     """Refuse a changed trajectory key (trainer/config/keys.py); operational keys may change. A
     key in neither table (a record from another version) counts as trajectory. `source`: the file
     `recorded` was read from (the run's resolved_config.json unless a checkpoint's config.json)."""
-    was, now = without_added_defaults(dotted_keys(recorded)), without_added_defaults(dotted_keys(config))
+    was, now = comparable_keys(recorded), comparable_keys(config)
     on_purpose = f"resume={run_dir} continues its newest checkpoint with the new settings on purpose"
     steps_key = "train.max_steps"
     if was.get(steps_key) != now.get(steps_key):
@@ -103,7 +163,7 @@ def check_same_run(run_dir: Path, recorded: dict, config: dict, source: Path | N
 
 def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ()) -> list[str]:
     """The dotted keys, other than operational ones and `skip`, whose values differ."""
-    was, now = without_added_defaults(dotted_keys(recorded)), without_added_defaults(dotted_keys(config))
+    was, now = comparable_keys(recorded), comparable_keys(config)
     return [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k) and not is_operational(k)
             and k not in skip]
 
