@@ -90,7 +90,14 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
             _announce(state, run_dir)
             # The command that continues this run, for the line a stop signal prints (workers inherit it).
             with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
-                run_app(args)
+                run_app(_with_claimed_tokenizer(args, job_cfg))
+
+
+def _with_claimed_tokenizer(args: list[str], job_cfg) -> list[str]:
+    """args with the tokenizer.checkpoint the claim pinned (a continuation whose tokenizer folder moved:
+    trainer/preflight/run_tokenizer.py), so that hydra.main composes the config the checks passed."""
+    pinned = job_cfg.tokenizer.get("checkpoint")
+    return _pinned(args, "tokenizer.checkpoint", str(pinned)) if pinned else args
 
 
 def _announce(state: RunDirState, run_dir: Path) -> None:

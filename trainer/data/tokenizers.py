@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.vocab import tokenizer_folder
 from trainer.data import tokenizer as gpt2
 from trainer.data.hf_tokenizer import bytes_to_unicode, hf_tokenizer_files
 from trainer.errors import DataError
@@ -196,9 +197,10 @@ def identity_of(tok) -> dict:
 
 
 def load_tokenizer(tok_cfg) -> GPT2Tokenizer | HFTokenizer:
-    """The tokenizer a `tokenizer` config (name, path) names; DataError in one line when it cannot be read."""
+    """The tokenizer a `tokenizer` config (name, path, checkpoint) names; DataError in one line when
+    it cannot be read. tokenizer.checkpoint, when set, is read instead of tokenizer.path (config/vocab.py)."""
     name = tok_cfg["name"] if isinstance(tok_cfg, dict) else tok_cfg.name
-    path = tok_cfg.get("path") if isinstance(tok_cfg, dict) else tok_cfg.path
+    path = tokenizer_folder(tok_cfg.get("path"), tok_cfg.get("checkpoint"))
     folder = str(Path(path).expanduser().absolute()) if path else None
     return _load(name, folder, _files_state(folder))
 
