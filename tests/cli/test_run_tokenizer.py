@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers.dtrain import TINYSHAKESPEARE, corpus_text, run_dtrain, train_losses
 from helpers.errors import assert_user_error
+from helpers.evals import offline_env, write_jsonl, write_tasks
 
 from trainer.checkpoint.integrity import checksum_file
 from trainer.checkpoint.layout import MARKER, latest_checkpoint
@@ -22,6 +23,7 @@ from trainer.data.layout import dataset_dir
 from trainer.data.prepare import prepare
 from trainer.data.tokenizer_training import fit_train_split
 from trainer.data.tokenizers import load_tokenizer
+from trainer.evals.hellaswag import Example
 
 pytest.importorskip("tokenizers")
 VOCAB, OTHER_VOCAB = 400, 300
@@ -91,12 +93,14 @@ def test_a_run_carries_its_tokenizer(trained, tmp_path):
     original = load_tokenizer({"name": "hf", "path": str(root / "tok_original")})
     reference = tmp_path / "reference"  # the same run, uninterrupted, with the original tokenizer folder
     run_dtrain([*run_args(root, reference), "train.continue_after_target=true"], check=True)
+    scores = evaluations(run_dir, tmp_path)
 
     assert train_tokenizer(root, OTHER_VOCAB, root / "tok", "--force").returncode == 0
     assert load_tokenizer({"name": "hf", "path": str(root / "tok")}).vocab_size == OTHER_VOCAB
     for moved in (False, True):
         if moved:
             (root / "tok").rename(root / "tok_elsewhere")
+            assert evaluations(run_dir, tmp_path) == scores
         assert sample(run_dir).stdout == before
         out = tmp_path / f"export_{moved}"
         run_dtrain(["export", str(run_dir), f"--out={out}"], check=True)
@@ -118,6 +122,25 @@ def test_a_run_carries_its_tokenizer(trained, tmp_path):
     record = json.loads((run_dir / "resolved_config.json").read_text())
     assert record["tokenizer"]["path"] == str(root / "tok") and record["tokenizer"]["checkpoint"] is None
     (root / "tok_elsewhere").rename(root / "tok")
+
+
+def evaluations(run_dir: Path, tmp_path: Path) -> tuple:
+    """`dtrain eval`'s HellaSwag figures and `--tasks`' (a local multiple-choice task, offline) of the
+    run's checkpoint: each encodes its text with the run's tokenizer."""
+    lines = [line for line in corpus().splitlines() if len(line.split()) >= 4]
+    examples = [Example(lines[i] + "\n", tuple(lines[i + 1 + k * 7] for k in range(4)), i % 4)
+                for i in range(0, 80, 10)]
+    hellaswag = write_jsonl(tmp_path / "hellaswag.jsonl", examples)
+    run_dtrain(["eval", str(run_dir), f"eval.hellaswag.path={hellaswag}", "world=1"], check=True)
+    figures = json.loads((run_dir / "eval_hellaswag.json").read_text())
+    tasks = tmp_path / "tasks"
+    if not tasks.is_dir():
+        tasks.mkdir()
+        write_tasks(tasks)
+    run_dtrain(["eval", str(run_dir), "--tasks", "dtrain_mc", "--include-path", str(tasks), "--device", "cpu",
+                "--bootstrap-iters", "0"], env=offline_env(), check=True)
+    harness = json.loads((run_dir / "eval_harness.json").read_text())["results"]
+    return ({k: v for k, v in figures.items() if k.startswith("hellaswag_")}, harness)
 
 
 def test_a_flipped_byte_in_the_tokenizer_copy_is_caught(trained, tmp_path):

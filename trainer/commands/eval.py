@@ -81,13 +81,9 @@ def cmd_eval(argv: list[str]) -> dict:
         parser.error(f"{given[0]} goes with --tasks (lm-evaluation-harness); the built-in HellaSwag takes "
                      "--step N, --limit N and key=value overrides such as eval.limit=N or ckpt=PATH")
     overrides = _shared_flags_as_overrides(args, run_dir, overrides)
-    run_dir, cfg, weights = eval_setup(parser, run_dir, overrides)
+    run_dir, cfg, weights = eval_setup(parser, run_dir, overrides, args.tokenizer)
     out, fix = check_results_folder(args.out, run_dir)  # a read-only run directory: one line, before work
     cfg_dict = to_dict(cfg)
-    # the checkpoint's own tokenizer (its copy, checked against its record), for every worker
-    tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, args.tokenizer)
-    cfg_dict["tokenizer"] = cfg_dict["data"]["tokenizer"] = {**cfg_dict["tokenizer"], "name": tokenizer.name,
-                                                             "path": tokenizer.path}
     world = requested_world(cfg)
     job = (cfg_dict, str(run_dir), weights, str(out), fix)
     if under_torchrun():
@@ -158,9 +154,11 @@ def _run_dir_and_overrides(parser: ArgParser, args) -> tuple[Path, list[str]]:
     return run_dir, overrides
 
 
-def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[Path, object, str]:
-    """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
-    weights to load (a checkpoint dir or a state_dict file)."""
+def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
+               tokenizer_dir: str | None = None) -> tuple[Path, object, str]:
+    """The run dir, the eval config (the run's, with eval defaults and the overrides, its tokenizer
+    the one the weights were trained with: a checkpoint's copy, or `tokenizer_dir`, --tokenizer DIR)
+    and the weights to load (a checkpoint dir or a state_dict file)."""
     record = read_config_record(run_dir)
     # The run's own world, mode and launch settings describe training, not this evaluation.
     record["world"] = None
@@ -187,6 +185,11 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[
     except OmegaConfBaseException as err:
         message = " ".join(str(err).split()[:40])
         raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
+    weights = eval_weights_path(run_dir, ckpt)
+    # the checkpoint's own tokenizer (its copy, checked against its record), read by every worker
+    tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, tokenizer_dir)
+    for section in (cfg.tokenizer, cfg.data.tokenizer):
+        section.name, section.path, section.checkpoint = tokenizer.name, tokenizer.path, None
     check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
@@ -195,7 +198,7 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[
         raise ConfigError(f"parallel={mode} runs in one process; use parallel=none or ddp with world={world}")
     if world < 1 or world % cfg.launch.nnodes:
         raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
-    return run_dir, cfg, eval_weights_path(run_dir, ckpt)
+    return run_dir, cfg, weights
 
 
 def eval_worker(cfg_dict: dict, run_dir: str, weights: str, out: str, fix: str) -> dict:
