@@ -17,8 +17,9 @@ from helpers.errors import assert_user_error
 from helpers.evals import offline_env, write_jsonl, write_tasks
 
 from trainer.checkpoint.integrity import checksum_file
-from trainer.checkpoint.layout import MARKER, latest_checkpoint
+from trainer.checkpoint.layout import MARKER, STEP_PREFIX, latest_checkpoint
 from trainer.config.compose import compose
+from trainer.config.vocab import CHECKPOINT_MARKER, CHECKPOINT_PREFIX, tokenizer_folder
 from trainer.data.layout import dataset_dir
 from trainer.data.prepare import prepare
 from trainer.data.tokenizer_training import fit_train_split
@@ -141,6 +142,24 @@ def evaluations(run_dir: Path, tmp_path: Path) -> tuple:
                 "--bootstrap-iters", "0"], env=offline_env(), check=True)
     harness = json.loads((run_dir / "eval_harness.json").read_text())["results"]
     return ({k: v for k, v in figures.items() if k.startswith("hellaswag_")}, harness)
+
+
+def test_a_pinned_checkpoint_removed_by_retention_gives_way_to_the_newest_copy(tmp_path):
+    """tokenizer.checkpoint names the checkpoint a continuation read; once retention removes it (a
+    restarted attempt reads the config again), the newest complete checkpoint beside it with a copy
+    stands in: a run's checkpoints hold its one tokenizer. The names it looks for are layout.py's."""
+    assert (CHECKPOINT_MARKER, CHECKPOINT_PREFIX) == (MARKER, STEP_PREFIX)
+    root = tmp_path / "checkpoints"
+    for step, marked, copy in ((3, True, True), (9, True, True), (12, False, True), (15, True, False)):
+        folder = root / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        if marked:
+            (folder / MARKER).write_text("{}")
+        if copy:
+            (folder / "tokenizer.json").write_text("{}")
+    assert tokenizer_folder("/x/tok", str(root / "step_000003")) == str(root / "step_000003")
+    assert tokenizer_folder("/x/tok", str(root / "step_000006")) == str(root / "step_000009")
+    assert tokenizer_folder("/x/tok", None) == "/x/tok"
 
 
 def test_a_flipped_byte_in_the_tokenizer_copy_is_caught(trained, tmp_path):
