@@ -79,7 +79,7 @@ def cmd_tokenizer(argv: list[str]) -> None:
         say(f"tokenizer.vocab_size={vocab_size:,} asked, but the train split of {data_cfg.name!r} yields "
             f"{trained.vocab_size:,} tokens: the 256 bytes, {EOT_TOKEN} and every merge its text has; more text "
             "gives more")
-    held_out = f"; its validation split's {fit.val_bytes:,} held out" if fit.val_bytes else ""
+    held_out = f"; the validation split's {fit.val_bytes:,} held out" if fit.val_bytes else ""
     fitted = "" if fit.fits == 1 else f" ({fit.fits} fits to find where that split ends)"
     Console().print(
         f"[green]trained[/] a byte-level BPE of {trained.vocab_size:,} tokens on the train split of {data_cfg.name} "
