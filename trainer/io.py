@@ -53,9 +53,9 @@ def write_atomic(path: Path, data: str | bytes, *, durable: bool = False, mode: 
         fsync_dir(path.parent)
 
 
-def write_durable(path: Path, text: str) -> None:
+def write_durable(path: Path, text: str | bytes) -> None:
     """Write a new file in place and fsync it (inside a folder that is published by a rename later)."""
-    with open(path, "w") as f:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -155,18 +155,44 @@ def verify_checkpoint_files(ckpt: Path) -> bool:
     names = sorted(present)
     by_algo: dict[str, list[str]] = {}
     for name in names:
-        algo = str(recorded[name]).partition(":")[0]
-        if algo not in ALGORITHMS:
-            raise CheckpointError(
-                f"checkpoint {ckpt} records {algo!r} checksums, which this dtrain does not know; "
-                "use the dtrain version that wrote it"
-            )
-        by_algo.setdefault(algo, []).append(name)
+        by_algo.setdefault(_known_algorithm(ckpt, recorded[name]), []).append(name)
     for algo, group in by_algo.items():
         for name, (_, got) in checksum_files(ckpt, group, algo).items():
             if got != recorded[name]:
                 raise CorruptCheckpoint(ckpt, f"{name}: {algo} mismatch, {got} vs {recorded[name]} recorded")
     return True
+
+
+def _known_algorithm(ckpt: Path, checksum: str) -> str:
+    """The algorithm of a recorded `<algo>:<hex>`; CheckpointError for one this dtrain lacks."""
+    algo = str(checksum).partition(":")[0]
+    if algo not in ALGORITHMS:
+        raise CheckpointError(f"checkpoint {ckpt} records {algo!r} checksums, which this dtrain does not know; "
+                              "use the dtrain version that wrote it")
+    return algo
+
+
+def verify_named_files(ckpt: Path, names: list[str]) -> None:
+    """The named files of a checkpoint against the checksums its marker records: a reader of a few
+    small files (a tokenizer copy and the records naming it) checks those without hashing the
+    shards. A name neither recorded nor present is skipped; nothing is checked in a checkpoint from
+    before checksums."""
+    ckpt = Path(ckpt)
+    recorded = read_marker(ckpt).get("files")
+    if not isinstance(recorded, dict):
+        return
+    for name in names:
+        path, want = ckpt / name, recorded.get(name)
+        if not path.is_file():
+            if want is not None:
+                raise CorruptCheckpoint(ckpt, f"missing {_what(name)}")
+            continue
+        if want is None:
+            raise CorruptCheckpoint(ckpt, f"unexpected file {name}, not written by its save")
+        algo = _known_algorithm(ckpt, want)
+        got = checksum_file(path, algo)
+        if got != want:
+            raise CorruptCheckpoint(ckpt, f"{name}: {algo} mismatch, {got} vs {want} recorded")
 
 
 def alternative_hint(ckpt: Path, alternative: Path | None) -> str:

@@ -42,6 +42,7 @@ from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
 from trainer.config.schema import to_dict
 from trainer.data.identity import recorded_identity
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 from trainer.process.env import restart_count
@@ -83,6 +84,9 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         # The identity of the data and tokenizer this run reads (rank 0 writes it into every checkpoint).
         self.identity = recorded_identity(cfg.data) if rt.is_main else {}
+        # Its tokenizer's files as the run reads them, copied into every checkpoint (none for GPT-2's:
+        # trainer/checkpoint/tokenizer_copy.py)
+        self.tokenizer_files = load_tokenizer(cfg.tokenizer).files if rt.is_main else {}
         self.last_saved: Path | None = None  # the newest save of this process (published or in flight)
         self.last_bytes = 0  # the bytes of the newest checkpoint (what the next one needs), on rank 0
 
@@ -332,16 +336,20 @@ class Checkpointer:
         return f"could not save checkpoint {name} under {self.root}: {reason}; {kept}"
 
     def _publish(self, tmp: Path, final: Path, step: int, record: dict, parts: list[dict]) -> None:
-        """Rank 0, once every rank's shards are written and hashed: JSON, the marker with every
-        file's checksum (written last), one rename, retention."""
+        """Rank 0, once every rank's shards are written and hashed: JSON, the copy of the run's
+        tokenizer (trainer/checkpoint/tokenizer_copy.py), the marker with every file's checksum
+        (written last), one rename, retention."""
         errors = [p["error"] for p in parts if "error" in p]
         if errors:
             raise OSError(f"could not checksum the written files ({errors[0]})")
         write_durable(tmp / STATE_FILE, json.dumps(record))
         cfg_dict = to_dict(self.cfg) if not isinstance(self.cfg, dict) else self.cfg
         write_durable(tmp / CONFIG_FILE, json.dumps(cfg_dict, indent=2, sort_keys=True))
+        copies = self.tokenizer_files
+        for name, data in copies.items():
+            write_durable(tmp / name, data)
         sums = {name: value for p in parts for name, value in p["sums"].items()}
-        sums.update(checksum_files(tmp, [STATE_FILE, CONFIG_FILE]))
+        sums.update(checksum_files(tmp, [STATE_FILE, CONFIG_FILE, *copies]))
         marker = marker_record(tmp, step, self.rt.world, FORMAT_VERSION, sums)
         write_durable(tmp / MARKER, json.dumps(marker))
         fsync_dir(tmp)

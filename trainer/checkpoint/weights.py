@@ -17,13 +17,16 @@ from trainer.checkpoint.layout import (
     CHECKPOINT_DIR,
     checkpoint_step,
     is_complete,
+    latest_checkpoint,
     list_checkpoints,
     resolve_checkpoint,
     step_dir_name,
 )
 from trainer.checkpoint.records import read_checkpoint_config
 from trainer.checkpoint.selection import newest_intact
+from trainer.checkpoint.tokenizer_copy import checkpoint_tokenizer
 from trainer.config.schema import from_dict
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
 from trainer.model.gpt import build_model
@@ -40,10 +43,7 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
         metadata = checks.read_metadata(ckpt_dir)
         checks.check_files(ckpt_dir, metadata)
     except CorruptCheckpoint as err:
-        root = ckpt_dir.parent if checkpoint_step(ckpt_dir) is not None else ckpt_dir / CHECKPOINT_DIR
-        intact = newest_intact(root, exclude=ckpt_dir)
-        hint = f"the newest intact checkpoint is {intact}" if intact else f"no intact checkpoint is left under {root}"
-        raise CheckpointError(f"{err}; {hint}") from None
+        raise _refused(err, ckpt_dir) from None
     aliases = tied_aliases(model)
     template = {k: v for k, v in model.state_dict().items() if k not in aliases}
     checks.check_template(ckpt_dir, metadata, dotted_keys({"model": template}))
@@ -57,6 +57,23 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:
     _check_finite(model, ckpt_dir)
 
 
+def _refused(err: CorruptCheckpoint, ckpt_dir: Path) -> CheckpointError:
+    """A corrupt checkpoint's one line, naming the newest intact one beside it."""
+    root = ckpt_dir.parent if checkpoint_step(ckpt_dir) is not None else ckpt_dir / CHECKPOINT_DIR
+    intact = newest_intact(root, exclude=ckpt_dir)
+    hint = f"the newest intact checkpoint is {intact}" if intact else f"no intact checkpoint is left under {root}"
+    return CheckpointError(f"{err}; {hint}")
+
+
+def tokenizer_of(ckpt_dir: Path, given: str | None = None):
+    """The tokenizer of a checkpoint's run (trainer/checkpoint/tokenizer_copy.py; `given`: --tokenizer
+    DIR), read before its weights: a corrupt copy is refused like a corrupt shard."""
+    try:
+        return checkpoint_tokenizer(ckpt_dir, given)
+    except CorruptCheckpoint as err:
+        raise _refused(err, Path(ckpt_dir)) from None
+
+
 def _check_finite(model: torch.nn.Module, source: Path) -> None:
     """Refuse weights holding NaN or inf (a diverged run's): nothing useful comes out of them."""
     bad = nonfinite_tensors(model.state_dict())
@@ -67,13 +84,18 @@ def _check_finite(model: torch.nn.Module, source: Path) -> None:
         )
 
 
+def checkpoint_of(run_dir: Path, step: int | None = None) -> Path:
+    """A run directory's checkpoint: the newest complete one (`step=None`; `run_dir` may also be a
+    checkpoint folder) or the one at `step`."""
+    return resolve_checkpoint(run_dir) if step is None else checkpoint_at_step(Path(run_dir), step)
+
+
 def model_from_run(run_dir: Path, step: int | None = None, device: str | torch.device = "cpu"):
     """(GPT with the checkpoint's weights in eval mode, the run's config) for a run directory.
 
     `step=None` takes the newest complete checkpoint; `run_dir` may also be a checkpoint folder.
     """
-    run_dir = Path(run_dir)
-    ckpt = resolve_checkpoint(run_dir) if step is None else checkpoint_at_step(run_dir, step)
+    ckpt = checkpoint_of(Path(run_dir), step)
     cfg = from_dict(read_checkpoint_config(ckpt))
     model = build_model(cfg.model)
     load_model_weights(model, ckpt)
@@ -98,6 +120,18 @@ def eval_weights_path(run_dir: Path, ckpt: str | None) -> str:
         return str(resolve_checkpoint(run_dir))
     except CheckpointError as err:
         raise CheckpointError(f"{err}; or pass ckpt=PATH (a checkpoint or a state_dict file)") from None
+
+
+def tokenizer_for_weights(run_dir: Path, weights: str, tokenizer_cfg, given: str | None = None):
+    """The tokenizer that reads what `weights` (eval_weights_path's) learned: a checkpoint's own
+    (tokenizer_of); for a state_dict file, which records none, the run's newest checkpoint's, else
+    `given` (--tokenizer DIR), else the run's `tokenizer` config."""
+    if Path(weights).is_dir():
+        return tokenizer_of(Path(weights), given)
+    newest = latest_checkpoint(run_dir)
+    if newest is not None:
+        return tokenizer_of(newest, given)
+    return load_tokenizer({"name": "hf", "path": given} if given else tokenizer_cfg)
 
 
 def load_weights(model: torch.nn.Module, weights: str) -> None:

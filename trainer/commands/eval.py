@@ -1,6 +1,6 @@
 """`dtrain eval RUN_DIR`: HellaSwag accuracy of a run's newest checkpoint, on 1 or N workers.
 
-    dtrain eval RUN_DIR [--out DIR] [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N]
+    dtrain eval RUN_DIR [--out DIR] [world=N] [parallel=MODE] [ckpt=PATH] [eval.limit=N] [--tokenizer DIR]
                         [eval.hellaswag.path=FILE] [eval.hellaswag.batch_examples=B] [key=value ...]
 
 The run's recorded config gives the model, the data dir (where the HellaSwag download is cached)
@@ -8,8 +8,10 @@ and eval.hellaswag.*; eval.limit starts at null (every example); the overrides a
 the same schema. `world` and `parallel` default to 1 and `none` (a full replica per worker, each
 scoring its share); parallel=fsdp shards the weights over the workers. `ckpt=` picks a checkpoint
 (a step_* folder or a run dir; default: this run's newest) or a plain state_dict file (torch.save
-of GPT.state_dict()). With world > 1 the workers start through torchrun's engine, like training;
-under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval RUN_DIR`) every
+of GPT.state_dict()). The examples are encoded by the run's own tokenizer, the copy its checkpoint
+holds (trainer/checkpoint/tokenizer_copy.py; `--tokenizer DIR` names the folder for a checkpoint
+saved before checkpoints kept one). With world > 1 the workers start through torchrun's engine,
+like training; under plain torchrun (`torchrun --standalone --nproc-per-node=N -m trainer eval RUN_DIR`) every
 rank runs this command and they join one group. Rank 0 shows a progress bar (on a terminal;
 train.progress=false hides it), prints the result and writes <RUN_DIR>/eval_hellaswag.json (with
 --out DIR: DIR/eval_hellaswag.json, e.g. for a run on a read-only mount).
@@ -19,7 +21,7 @@ With --tasks, EleutherAI's lm-evaluation-harness scores the checkpoint instead, 
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
                         [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
-                        [world=N]
+                        [--tokenizer DIR] [world=N]
 
 and writes <RUN_DIR>/eval_harness.json (with --log-samples also <RUN_DIR>/eval_samples_<task>.jsonl).
 """
@@ -37,11 +39,19 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from trainer.checkpoint.weights import checkpoint_at_step, eval_weights_path, load_weights, weights_step
+from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
+from trainer.checkpoint.weights import (
+    checkpoint_at_step,
+    eval_weights_path,
+    load_weights,
+    tokenizer_for_weights,
+    weights_step,
+)
 from trainer.commands.eval_harness import check_results_folder, harness_eval
 from trainer.config.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.config.validation import check_ranges
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
 from trainer.io import not_a_folder, write_atomic, write_errors_as_user_errors
@@ -71,7 +81,7 @@ def cmd_eval(argv: list[str]) -> dict:
         parser.error(f"{given[0]} goes with --tasks (lm-evaluation-harness); the built-in HellaSwag takes "
                      "--step N, --limit N and key=value overrides such as eval.limit=N or ckpt=PATH")
     overrides = _shared_flags_as_overrides(args, run_dir, overrides)
-    run_dir, cfg, weights = eval_setup(parser, run_dir, overrides)
+    run_dir, cfg, weights = eval_setup(parser, run_dir, overrides, args.tokenizer)
     out, fix = check_results_folder(args.out, run_dir)  # a read-only run directory: one line, before work
     cfg_dict = to_dict(cfg)
     world = requested_world(cfg)
@@ -124,6 +134,7 @@ def _parser() -> ArgParser:
     harness.add_argument("--num-fewshot", type=non_negative_int, metavar="K", help="few-shot examples per prompt")
     harness.add_argument("--batch-size", type=positive(int), metavar="B", help="sequences per forward (default 8)")
     parser.add_argument("--step", type=non_negative_int, metavar="N", help="this checkpoint step (default: newest)")
+    parser.add_argument("--tokenizer", metavar="DIR", help=TOKENIZER_HELP)
     harness.add_argument("--device", metavar="DEV", help="cpu, cuda, cuda:N or auto (default)")
     harness.add_argument("--log-samples", action="store_true", default=None,
                          help="also write each request's record to <RUN_DIR>/eval_samples_<task>.jsonl")
@@ -143,9 +154,11 @@ def _run_dir_and_overrides(parser: ArgParser, args) -> tuple[Path, list[str]]:
     return run_dir, overrides
 
 
-def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[Path, object, str]:
-    """The run dir, the eval config (the run's, with eval defaults and the overrides) and the
-    weights to load (a checkpoint dir or a state_dict file)."""
+def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
+               tokenizer_dir: str | None = None) -> tuple[Path, object, str]:
+    """The run dir, the eval config (the run's, with eval defaults and the overrides, its tokenizer
+    the one the weights were trained with: a checkpoint's copy, or `tokenizer_dir`, --tokenizer DIR)
+    and the weights to load (a checkpoint dir or a state_dict file)."""
     record = read_config_record(run_dir)
     # The run's own world, mode and launch settings describe training, not this evaluation.
     record["world"] = None
@@ -172,6 +185,11 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[
     except OmegaConfBaseException as err:
         message = " ".join(str(err).split()[:40])
         raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
+    weights = eval_weights_path(run_dir, ckpt)
+    # the checkpoint's own tokenizer (its copy, checked against its record), read by every worker
+    tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, tokenizer_dir)
+    for section in (cfg.tokenizer, cfg.data.tokenizer):
+        section.name, section.path, section.checkpoint = tokenizer.name, tokenizer.path, None
     check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
@@ -180,7 +198,7 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str]) -> tuple[
         raise ConfigError(f"parallel={mode} runs in one process; use parallel=none or ddp with world={world}")
     if world < 1 or world % cfg.launch.nnodes:
         raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
-    return run_dir, cfg, eval_weights_path(run_dir, ckpt)
+    return run_dir, cfg, weights
 
 
 def eval_worker(cfg_dict: dict, run_dir: str, weights: str, out: str, fix: str) -> dict:
@@ -215,7 +233,7 @@ def _evaluate(cfg, rt, run_dir: Path, weights: str, out: Path, fix: str) -> dict
         load_weights(model, weights)
         model = strategy.wrap(model)
         t_load = time.perf_counter()
-        hellaswag = HellaSwagEval.from_config(cfg, rt)
+        hellaswag = HellaSwagEval.from_config(cfg, rt, load_tokenizer(cfg.tokenizer))  # the checkpoint's (cmd_eval)
         load_s = time.perf_counter() - t_load
         progress = _progress_bar(rt.is_main and cfg.train.progress, hellaswag)
         t0 = time.perf_counter()

@@ -2,16 +2,18 @@
 
     dtrain eval RUN_DIR --tasks hellaswag,arc_easy [--include-path DIR] [--limit N] [--num-fewshot K]
                         [--batch-size B] [--step N | ckpt=PATH] [--device cpu|cuda|auto] [--log-samples]
-                        [--out DIR] [world=N] [launch.threads_per_worker=T]
+                        [--out DIR] [--tokenizer DIR] [world=N] [launch.threads_per_worker=T]
 
 The weights come straight from the DCP checkpoint (verified, and refused when corrupt or non-finite,
 as everywhere) into dtrain's own GPT, which trainer/evals/harness.py presents to the harness as a
-model: no Hugging Face conversion, no model download. Task data is the harness's business (it
-downloads what a task names); `--include-path` adds a folder of task YAMLs. The harness's results go
-to <RUN_DIR>/eval_harness.json (`results`, plus step, checkpoint and timing); `dtrain report` shows them.
---log-samples also writes each request's record as the harness logs it (doc_id, resps, filtered_resps,
-...) to <RUN_DIR>/eval_samples_<task>.jsonl. `--out DIR` puts these files (and the logs of world > 1)
-into DIR instead, e.g. for a run on a read-only mount.
+model: no Hugging Face conversion, no model download. Its tokenizer is the run's own, the copy the
+checkpoint holds (trainer/checkpoint/tokenizer_copy.py; --tokenizer DIR for one saved without).
+Task data is the harness's business (it downloads what a task names); `--include-path` adds a
+folder of task YAMLs. The harness's results go to <RUN_DIR>/eval_harness.json (`results`, plus
+step, checkpoint and timing); `dtrain report` shows them. --log-samples also writes each request's
+record as the harness logs it (doc_id, resps, filtered_resps, ...) to
+<RUN_DIR>/eval_samples_<task>.jsonl. `--out DIR` puts these files (and the logs of world > 1) into
+DIR instead, e.g. for a run on a read-only mount.
 
 world=N splits the requests over N workers started as training starts them (loopback rendezvous):
 each scores its share of the batches, every worker gets all results, rank 0 writes them; a batch is
@@ -36,6 +38,7 @@ from trainer.checkpoint.weights import (
     eval_weights_path,
     load_weights,
     model_from_run,
+    tokenizer_for_weights,
     weights_step,
 )
 from trainer.config.schema import LaunchConfig, from_dict, to_dict
@@ -101,6 +104,9 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
         weights = checkpoint_at_step(run_dir, args.step)
     else:
         weights = Path(eval_weights_path(run_dir, ckpt))
+    # the checkpoint's own tokenizer (its copy, checked against its record), read by every worker
+    recorded = None if weights.is_dir() else from_dict(read_config_record(run_dir)).tokenizer
+    tokenizer = tokenizer_for_weights(run_dir, str(weights), recorded, args.tokenizer)
 
     # The harness (seconds to import) and its task index only now, after every check that needs neither;
     # the task names are checked before the weights are read.
@@ -120,7 +126,8 @@ def harness_eval(args: Namespace, run_dir: Path, overrides: list[str]) -> dict:
            "device": str(device),
            "include_path": args.include_path, "limit": limit, "num_fewshot": args.num_fewshot,
            "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "log_samples": bool(args.log_samples),
-           "threads": counts["launch.threads_per_worker"]}
+           "threads": counts["launch.threads_per_worker"],
+           "tokenizer": {"name": tokenizer.name, "path": tokenizer.path}}
     launch = to_dict(OmegaConf.structured(LaunchConfig))
     return run_workers(harness_worker, (job, manager), launch, counts["world"], out / "logs")
 
@@ -168,7 +175,7 @@ def _score(job: dict, manager, rt) -> dict:
         load_weights(model, str(weights))
     load_s = time.perf_counter() - t0
     lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, shards=Shards(rt),
-                          tokenizer=load_tokenizer(cfg.tokenizer))  # the run's, as training encoded
+                          tokenizer=load_tokenizer(job["tokenizer"]))  # the run's, as training encoded
     results, wall = harness.evaluate(lm, job["tasks"], manager, limit=job["limit"], num_fewshot=job["num_fewshot"],
                                      bootstrap_iters=job["bootstrap_iters"], log_samples=job["log_samples"])
     if not rt.is_main:  # the harness builds its results on (local) rank 0 only; the others return None

@@ -3,7 +3,10 @@
 Writes a complete Hugging Face model folder, loadable without dtrain: `model.safetensors`,
 `config.json`, `generation_config.json` and the run's tokenizer: GPT-2's (`vocab.json`, `merges.txt`,
 `tokenizer_config.json`, `special_tokens_map.json`, derived offline from the cached ranks), or with
-tokenizer=hf its own `tokenizer.json` and `tokenizer_config.json`, which encode exactly as training did. A
+tokenizer=hf the copy its checkpoint holds (`tokenizer.json`, `tokenizer_config.json` and any
+`special_tokens_map.json`: trainer/checkpoint/tokenizer_copy.py), which encode exactly as training
+did whatever became of the run's tokenizer folder since (`--tokenizer DIR` names it for a checkpoint
+saved before checkpoints kept a copy). A
 GPT-2-shaped model becomes a GPT2LMHeadModel (`transformer.h.0.attn.c_attn.weight` ...), a
 Llama-shaped one (rmsnorm, rope, swiglu) a LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`
 ...) or, with model.qk_norm, a Qwen3ForCausalLM; any other block is one error line, before
@@ -34,10 +37,10 @@ import torch
 from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.checkpoint.hf_llama import export_family
 from trainer.checkpoint.layout import enclosing_checkpoint
-from trainer.checkpoint.weights import model_from_run
+from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
+from trainer.checkpoint.weights import checkpoint_of, model_from_run, tokenizer_of
 from trainer.config.args import ArgParser, folder_to_write, non_negative_int
 from trainer.data.hf_tokenizer import write_hf_tokenizer
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
 from trainer.io import check_room, check_writable_dir, new_file_mode, write_atomic, write_errors_as_user_errors
 
@@ -48,22 +51,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
-           out_label: str | None = None) -> Path:
+           out_label: str | None = None, tokenizer_dir: str | None = None) -> Path:
     """Write out/model.safetensors, out/config.json and the tokenizer files from a run's checkpoint;
     returns out.
-    `out_label` names the output folder in errors (default: `--out OUT`)."""
+    `out_label` names the output folder in errors (default: `--out OUT`); `tokenizer_dir`: --tokenizer
+    DIR, for a checkpoint without a copy of its tokenizer."""
     safetensors = safetensors_lib("dtrain export")
     label = out_label or f"--out {out}"
     # the run directory itself, a checkpoint, a file, a read-only folder or a full disk: one line
     # before the weights are read
     check_own_folder(run_dir, out, label)
     check_writable_dir(out, label, OUT_FIX)
-    model, cfg = model_from_run(run_dir, step=step)
+    ckpt = checkpoint_of(run_dir, step)
+    # the run's tokenizer (GPT-2's ranks, or the checkpoint's copy of its tokenizer.json) is read
+    # before anything is written: without it, one line and no half folder
+    tokenizer = tokenizer_of(ckpt, tokenizer_dir)
+    model, cfg = model_from_run(ckpt)
     export_family({**dataclasses.asdict(model.config), "name": cfg.model.get("name")})  # one line if none fits
     tensors = to_hf_state_dict(model, DTYPES[dtype])
-    # the run's tokenizer (GPT-2's ranks, or its tokenizer.json) is read before anything is written:
-    # without it, one line and no half folder
-    tokenizer = load_tokenizer(cfg.tokenizer)
     tokenizer_files = tokenizer.export_files(model.config.block_size)
     config_text = json.dumps(hf_config(model, dtype, tokenizer.eot), indent=2) + "\n"
     # every byte the export writes is known now: a disk without room for them is one line, not a
@@ -122,10 +127,11 @@ def cmd_export(argv: list[str]) -> None:
                         help="the checkpoint at this step (default: newest)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="weights dtype (default float32)")
+    parser.add_argument("--tokenizer", metavar="DIR", help=TOKENIZER_HELP)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir).expanduser()
     out = args.out or run_dir / "export"
     label = f"--out {out}" if args.out else f"the default output folder {out} (RUN_DIR/export)"
-    export(run_dir, out, args.step, args.dtype, out_label=label)
-    print(f"exported {run_dir} -> {out} (model.safetensors, config.json, generation_config.json and the "
-          "GPT-2 tokenizer: a Hugging Face model folder)")
+    export(run_dir, out, args.step, args.dtype, out_label=label, tokenizer_dir=args.tokenizer)
+    print(f"exported {run_dir} -> {out} (model.safetensors, config.json, generation_config.json and the run's "
+          "own tokenizer: a Hugging Face model folder)")

@@ -2,16 +2,26 @@
 
 Loads the newest checkpoint's model (or `--step N`'s) in this one process, on CUDA when there is
 one, and prints the prompt with its continuation, decoded with the KV cache (trainer/model/decode.py).
+The text goes through the run's own tokenizer: the copy its checkpoint holds, checked against the
+fingerprint it records (trainer/checkpoint/tokenizer_copy.py), so a tokenizer folder moved or
+rewritten since changes nothing; `--tokenizer DIR` names the folder for a checkpoint without a copy.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint.weights import model_from_run
-from trainer.config.args import ArgParser, non_negative_float, non_negative_int, probability, whole_number_in
+from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
+from trainer.checkpoint.weights import checkpoint_of, model_from_run, tokenizer_of
+from trainer.config.args import (
+    ArgParser,
+    non_negative_float,
+    non_negative_int,
+    probability,
+    utf8_text,
+    whole_number_in,
+)
 from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import UserError
 from trainer.evals.generate import generate_text
 from trainer.process.runtime import pick_device
@@ -21,7 +31,8 @@ def cmd_sample(argv: list[str]) -> None:
     parser = ArgParser(prog="dtrain sample", description=__doc__)
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory (its newest checkpoint) or a checkpoint folder")
-    parser.add_argument("--prompt", metavar="TEXT", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt", metavar="TEXT", type=utf8_text, default="\n",
+                        help="text to continue, in UTF-8 (default: a newline)")
     parser.add_argument("--tokens", metavar="N", default=200,
                         type=whole_number_in(1, MAX_SAMPLE_TOKENS, "past the block size each token re-reads the "
                                              "whole window; continue a long text in several samples"),
@@ -39,6 +50,7 @@ def cmd_sample(argv: list[str]) -> None:
                         help="the checkpoint at this step (default: newest)")
     parser.add_argument("--device", metavar="DEVICE", default="auto",
                         help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    parser.add_argument("--tokenizer", metavar="DIR", help=TOKENIZER_HELP)
     args = parser.parse_args(argv)
 
     try:
@@ -47,8 +59,10 @@ def cmd_sample(argv: list[str]) -> None:
         raise UserError(
             f"dtrain sample: --device {args.device!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
-    model, cfg = model_from_run(Path(args.run_dir).expanduser(), step=args.step, device=device)
+    ckpt = checkpoint_of(Path(args.run_dir).expanduser(), args.step)
+    tokenizer = tokenizer_of(ckpt, args.tokenizer)  # the run's own, before the weights are read
+    model, _ = model_from_run(ckpt, device=device)
     text = generate_text(model, args.prompt, args.tokens, device=device, seed=args.seed,
                          temperature=args.temperature, top_k=args.top_k or None,
-                         top_p=args.top_p, tokenizer=load_tokenizer(cfg.tokenizer))  # the run's own
+                         top_p=args.top_p, tokenizer=tokenizer)
     print(text)

@@ -1,36 +1,45 @@
-"""`dtrain tokenizer train data=NAME [data.source=...] tokenizer.vocab_size=N tokenizer.path=OUT`:
-a byte-level BPE trained on a dataset's text, for `tokenizer=hf tokenizer.path=OUT`.
+"""`dtrain tokenizer train data=NAME [data.source=...] tokenizer.vocab_size=N tokenizer.path=OUT [--force]`:
+a byte-level BPE trained on the text of a dataset's train split, for `tokenizer=hf tokenizer.path=OUT`.
 
 On small runs the vocabulary dominates: GPT-2's 50,257-row embedding and head are most of a small
 model's parameters and much of its step. A tokenizer trained on the corpus itself (as nanochat
 trains its own) is the usual answer. This one is GPT-2-style byte-level BPE (every byte string
 encodes; GPT-2's pre-tokenizer split), with `<|endoftext|>` as its one special token, the document
-separator, trained by the `tokenizers` library (pip install 'dtrain[tokenizers]'). The same text and
-settings give the same tokenizer. OUT gets `tokenizer.json` and `tokenizer_config.json`, so
-`AutoTokenizer.from_pretrained(OUT)` reads it too, and the command prints the time it took and the
-bytes per token it reaches on the dataset's text.
+separator, trained by the `tokenizers` library (pip install 'dtrain[tokenizers]') on the text of the
+train split `dtrain prepare` will write with it, never on the validation split's
+(trainer/data/tokenizer_training.py). The same text and settings give the same tokenizer. OUT gets
+`tokenizer.json` and `tokenizer_config.json`, so `AutoTokenizer.from_pretrained(OUT)` reads it too,
+and the command prints the time it took and the bytes per token it reaches on the dataset's text.
+
+A folder that already holds a tokenizer is replaced only with --force (runs trained with it keep
+their own: each checkpoint carries a copy). A corpus without text is refused, and a vocabulary
+smaller than tokenizer.vocab_size (the text has no more pairs to merge) is said in a line.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.config.args import ArgParser, folder_to_write
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
 from trainer.data import sources
 from trainer.data.hints import use_tokenizer_command
 from trainer.data.prepare import as_data_cfg
-from trainer.data.tokenizers import HF_EXTRA, TOKENIZER_FILE, load_tokenizer
-from trainer.errors import UserError
-from trainer.io import check_writable_dir
+from trainer.data.tokenizer_training import EOT_TOKEN, fit_train_split
+from trainer.data.tokenizers import HF_EXTRA, TOKENIZER_FILE, TOKENIZER_FILES, load_tokenizer
+from trainer.errors import DataError, UserError
+from trainer.io import check_writable_dir, new_file_mode, write_atomic
+from trainer.process.joblog import say
 
-EOT_TOKEN = "<|endoftext|>"
+# A Hugging Face folder's files that add tokens beside tokenizer.json: gone when --force replaces it.
+STALE_FILES = ("special_tokens_map.json", "added_tokens.json")
 MIN_VOCAB = 257  # the 256 bytes and the end-of-text token
 MAX_VOCAB = 1 << 20
 
@@ -40,6 +49,7 @@ def cmd_tokenizer(argv: list[str]) -> None:
     parser.add_argument("action", choices=["train"], help="what to do (train: a BPE on a dataset's text)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="data=NAME [data.source=...] tokenizer.vocab_size=N tokenizer.path=OUT")
+    parser.add_argument("--force", action="store_true", help="replace the tokenizer tokenizer.path already holds")
     args = parser.parse_args(argv)
     cfg = compose(args.overrides)
     check_ranges(cfg, ("data",))
@@ -50,38 +60,61 @@ def cmd_tokenizer(argv: list[str]) -> None:
     if not out:
         raise UserError("tokenizer.path=OUT names the folder the tokenizer is written to, e.g. tokenizer.path=tok8k")
     out = folder_to_write_or_fail(out)
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415 - optional extra
-    except ImportError:
-        raise UserError(f"dtrain tokenizer train needs the `tokenizers` package; {HF_EXTRA}") from None
+    check_own_folder(out, args.force)
+    if importlib.util.find_spec("tokenizers") is None:
+        raise UserError(f"dtrain tokenizer train needs the `tokenizers` package; {HF_EXTRA}")
     data_cfg = as_data_cfg(cfg.data)
     source = sources.open_source(data_cfg)  # a missing or empty source is one line, before anything is written
     check_writable_dir(out, f"tokenizer.path={out}", "set tokenizer.path to a writable folder")
+    docs = list(source.documents())  # the corpus once: the fit encodes it as prepare will
+    if not any(docs):
+        raise DataError(f"dataset {data_cfg.name!r} has no text (source {source.description}: {len(docs)} empty "
+                        "document(s)); check data.source")
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split, bytes as characters
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN], show_progress=sys.stderr.isatty(),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = list(source.documents())  # the corpus once: training and the bytes-per-token figure read it
     started = time.perf_counter()
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    fit = fit_train_split(docs, vocab_size, data_cfg.val_fraction, data_cfg.max_tokens, f"dataset {data_cfg.name!r}")
     seconds = time.perf_counter() - started
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / TOKENIZER_FILE))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN,
-        "unk_token": EOT_TOKEN, "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    write_tokenizer(out, fit.tokenizer.to_str())
     trained = load_tokenizer({"name": "hf", "path": str(out)})
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    n_tokens = sum(len(trained.encode(t)) for t in texts)
+    if trained.vocab_size < vocab_size:
+        say(f"tokenizer.vocab_size={vocab_size:,} asked, but the train split of {data_cfg.name!r} yields "
+            f"{trained.vocab_size:,} tokens: the 256 bytes, {EOT_TOKEN} and every merge its text has; more text "
+            "gives more")
+    held_out = f"; the validation split's {fit.val_bytes:,} held out" if fit.val_bytes else ""
+    fitted = "" if fit.fits == 1 else f" ({fit.fits} fits to find where that split ends)"
     Console().print(
-        f"[green]trained[/] a byte-level BPE of {trained.vocab_size:,} tokens on {data_cfg.name} "
-        f"({n_bytes:,} bytes) in {seconds:.1f} s: {n_bytes / max(1, n_tokens):.2f} bytes per token; "
+        f"[green]trained[/] a byte-level BPE of {trained.vocab_size:,} tokens on the train split of {data_cfg.name} "
+        f"({fit.train_bytes:,} bytes{held_out}) in {seconds:.1f} s{fitted}: "
+        f"{fit.stream_bytes / max(1, fit.text_tokens):.2f} bytes per token; "
         f"{out / TOKENIZER_FILE}\n  use it: `{use_tokenizer_command(data_cfg, out)}`",
         highlight=False, soft_wrap=True)
+
+
+def check_own_folder(out: Path, force: bool) -> None:
+    """tokenizer.path may not lie in a checkpoint (only a save writes there), and a tokenizer it
+    holds is replaced only with --force."""
+    checkpoint = enclosing_checkpoint(out)
+    if checkpoint is not None:
+        raise UserError(f"tokenizer.path={out} is in the checkpoint folder {checkpoint}, where only a save writes; "
+                        "choose another tokenizer.path")
+    held = [name for name in TOKENIZER_FILES if (out / name).is_file()]
+    if held and not force:
+        raise UserError(f"tokenizer.path={out} already holds a tokenizer ({', '.join(held)}); add --force to replace "
+                        "it (runs trained with it keep theirs: their checkpoints carry a copy), or choose another "
+                        "tokenizer.path")
+
+
+def write_tokenizer(out: Path, tokenizer_json: str) -> None:
+    """tokenizer.json and tokenizer_config.json, each replaced in one rename; a special_tokens_map.json
+    or added_tokens.json of a tokenizer replaced with --force goes (transformers would read its tokens)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in STALE_FILES:
+        (out / stale).unlink(missing_ok=True)
+    write_atomic(out / TOKENIZER_FILE, tokenizer_json, mode=new_file_mode())
+    write_atomic(out / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN,
+        "unk_token": EOT_TOKEN, "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n", mode=new_file_mode())
 
 
 def folder_to_write_or_fail(path: str) -> Path:

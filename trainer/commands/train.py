@@ -39,6 +39,7 @@ from trainer.config.validation import validate
 from trainer.io import folder_setting, write_errors_as_user_errors
 from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
 from trainer.preflight.claim import check_sweep_point, claim_run
+from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
 from trainer.process.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 
@@ -75,8 +76,12 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
     # hydra.main composes again: the folder is pinned, so a `${now:}` in it cannot tick in between
     args = _pinned(args, "hydra.run.dir", str(run_dir))
     if under_torchrun():  # rank 0 checks and claims the run inside the worker and tells the others
+        if not is_secondary_rank():  # its worker's config is composed from args: the tokenizer pinned there too
+            pin = pin_run_tokenizer(job_cfg, run_dir)
+            if pin is not None:
+                Console(stderr=True).print(f"dtrain: {pin.note}", highlight=False, soft_wrap=True)
         validate(job_cfg)
-        run_app(args)
+        run_app(_with_claimed_tokenizer(args, job_cfg))
         return
     world = requested_world(job_cfg)
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory
@@ -90,7 +95,15 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
             _announce(state, run_dir)
             # The command that continues this run, for the line a stop signal prints (workers inherit it).
             with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
-                run_app(args)
+                run_app(_with_claimed_tokenizer(args, job_cfg))
+
+
+def _with_claimed_tokenizer(args: list[str], job_cfg) -> list[str]:
+    """args with the tokenizer.checkpoint the claim pinned (a continuation whose tokenizer folder moved:
+    trainer/preflight/run_tokenizer.py), so that hydra.main composes the config the checks passed
+    (under plain torchrun: the config rank 0's worker claims and every rank trains with)."""
+    pinned = job_cfg.tokenizer.get("checkpoint")
+    return _pinned(args, "tokenizer.checkpoint", str(pinned)) if pinned else args
 
 
 def _announce(state: RunDirState, run_dir: Path) -> None:

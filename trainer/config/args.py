@@ -83,6 +83,20 @@ def folder_to_write(text: str) -> Path:
     return Path(text).expanduser()
 
 
+def utf8_text(text: str) -> str:
+    """Text that encodes as UTF-8 (--prompt). Bytes that are not UTF-8 reach Python as lone
+    surrogates (PEP 383), which no tokenizer encodes: one line naming the first such byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = text[err.start]
+        byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"code point U+{ord(char):04X}"
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text ({byte} at character {err.start + 1}); give it in UTF-8 (the terminal's "
+            "encoding, LANG / LC_ALL, decides how typed text arrives)") from None
+    return text
+
+
 def non_negative_int(text: str) -> int:
     """A whole number, 0 or more (a checkpoint step, --top-k)."""
     try:

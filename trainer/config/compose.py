@@ -289,8 +289,9 @@ def anchor_paths(cfg: DictConfig) -> None:
     # a recipe's REQUIRED sentinel is left as it is, for validation's error line
     if cfg.model.init_from and cfg.model.init_from != INIT_FROM_REQUIRED:
         cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
-    if OmegaConf.select(cfg, "tokenizer.path", default=None):  # tokenizer=hf tokenizer.path=DIR, likewise
-        cfg.tokenizer.path = str(Path(cfg.tokenizer.path).expanduser().absolute())
+    for key in ("path", "checkpoint"):  # tokenizer=hf tokenizer.path=DIR (or tokenizer.checkpoint=CKPT), likewise
+        if OmegaConf.select(cfg, f"tokenizer.{key}", default=None):
+            cfg.tokenizer[key] = str(Path(cfg.tokenizer[key]).expanduser().absolute())
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:

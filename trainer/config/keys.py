@@ -60,6 +60,9 @@ OPERATIONAL = (
     # saved, and how data is checked or prepared
     "checkpoint.", "data.verify", "data.num_proc", "data.auto_prepare",
     "tokenizer.vocab_size", "data.tokenizer.vocab_size",  # only `dtrain tokenizer train` reads it
+    # where a run's tokenizer is read from, not which: its identity (fingerprint) is checked against
+    # the data's and the checkpoint's (trainer/preflight/run_tokenizer.py)
+    "tokenizer.checkpoint", "data.tokenizer.checkpoint",
 )
 
 

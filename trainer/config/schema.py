@@ -65,7 +65,7 @@ class ModelConfig:
     n_embd: int = 64
     block_size: int = 128
     # The tokenizer's (tokenizer_vocab_size) unless set: a model reads every id its data can hold.
-    vocab_size: int = f"${{{VOCAB_RESOLVER}:${{tokenizer.name}},${{tokenizer.path}}}}"  # type: ignore[assignment]
+    vocab_size: int = f"${{{VOCAB_RESOLVER}:${{tokenizer.name}},${{tokenizer.path}},${{tokenizer.checkpoint}}}}"  # type: ignore[assignment]
     # Round the embedding table up to a multiple of this (64 or 128 make matmuls faster on GPUs;
     # GPT-2's 50257 becomes 50304). 1 keeps the exact vocabulary.
     pad_vocab_multiple: int = 1
@@ -99,6 +99,11 @@ class TokenizerConfig:
     name: str = "gpt2"
     path: Optional[str] = None
     vocab_size: Optional[int] = None  # `dtrain tokenizer train`: the size of the tokenizer it trains
+    # A checkpoint whose copy of its run's tokenizer is read instead of tokenizer.path's folder. A
+    # continuation sets it when tokenizer.path no longer holds the run's tokenizer (moved or
+    # rewritten since: trainer/preflight/run_tokenizer.py); by hand, it reads a run's tokenizer
+    # from its checkpoint (e.g. to prepare more data with it).
+    checkpoint: Optional[str] = None
 
 
 @dataclass

@@ -189,10 +189,10 @@ def check_ranges(cfg: DictConfig, sections: tuple[str, ...] | None = None) -> No
     tok = OmegaConf.select(cfg, "tokenizer", default=None)
     if tok is not None and tok.name not in TOKENIZERS:
         raise ConfigError(f"tokenizer={tok.name} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if tok is not None and tok.name == "hf" and not tok.path:
+    if tok is not None and tok.name == "hf" and not tok.path and not tok.get("checkpoint"):
         raise ConfigError("tokenizer=hf needs tokenizer.path=DIR, a folder holding a Hugging Face tokenizer.json "
                           "(a model folder, or one `dtrain tokenizer train` wrote)")
-    ids = tokenizer_vocab_size(tok.name, tok.path) if tok is not None else TOKENIZER_VOCAB_SIZE
+    ids = tokenizer_vocab_size(tok.name, tok.path, tok.get("checkpoint")) if tok is not None else TOKENIZER_VOCAB_SIZE
     which = "the GPT-2 tokenizer's" if tok is None or tok.name == "gpt2" else f"tokenizer.path={tok.path}'s"
     if (sections is None or "model" in sections) and vocab is not None and vocab < ids:
         raise ConfigError(

@@ -18,6 +18,10 @@ from omegaconf import OmegaConf
 TOKENIZER_VOCAB_SIZE = 50257
 TOKENIZERS = ("gpt2", "hf")  # the `tokenizer` group (trainer/data/tokenizers.py); auto resolves to one
 VOCAB_RESOLVER = "dtrain_tokenizer_vocab"
+# A published checkpoint's marker and folder prefix (trainer/checkpoint/layout.py's MARKER and
+# STEP_PREFIX, kept here so that config imports nothing above it; a test keeps them equal)
+CHECKPOINT_MARKER = "COMPLETE"
+CHECKPOINT_PREFIX = "step_"
 SOURCE_TOKENIZER_RESOLVER = "dtrain_source_tokenizer"  # conf/tokenizer/auto.yaml
 
 
@@ -38,6 +42,24 @@ def _file_facts(file: str, _mtime_ns: int) -> tuple[int | None, bool, str]:  # t
         return None, False, digest
 
 
+def tokenizer_folder(path: str | None, checkpoint: str | None = None) -> str | None:
+    """The folder a `tokenizer` config's files are read from: tokenizer.checkpoint's copy when it is
+    set (trainer/checkpoint/tokenizer_copy.py; a continuation whose tokenizer.path no longer holds
+    its run's tokenizer reads it there: trainer/preflight/run_tokenizer.py), else tokenizer.path.
+    A checkpoint that retention removed since gives way to the newest complete one beside it that
+    holds a copy: a run's checkpoints all hold its one tokenizer."""
+    if not checkpoint:
+        return path
+    ckpt = Path(str(checkpoint)).expanduser()
+    if (ckpt / "tokenizer.json").is_file():
+        return str(ckpt)
+    beside = [p for p in ckpt.parent.glob(f"{CHECKPOINT_PREFIX}*")
+              if p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / CHECKPOINT_MARKER).is_file()
+              and (p / "tokenizer.json").is_file()]
+    newest = max(beside, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]), default=ckpt)
+    return str(newest)
+
+
 def _facts(folder) -> tuple[int | None, bool, str] | None:
     """_file_facts of folder/tokenizer.json, or None when it cannot be read."""
     file = Path(str(folder)).expanduser() / "tokenizer.json"
@@ -47,11 +69,12 @@ def _facts(folder) -> tuple[int | None, bool, str] | None:
         return None
 
 
-def tokenizer_vocab_size(name: str, path: str | None) -> int:
+def tokenizer_vocab_size(name: str, path: str | None, checkpoint: str | None = None) -> int:
     """How many ids the `tokenizer` config's tokenizer has, read from its tokenizer.json (stdlib
     only: the checks run before torch and before the `tokenizers` library). GPT-2's when it cannot
     be read: the tokenizer's own check (trainer/data/tokenizers.py) then names what is wrong."""
-    facts = _facts(path) if name == "hf" and path else None
+    folder = tokenizer_folder(path, checkpoint)
+    facts = _facts(folder) if name == "hf" and folder else None
     return facts[0] if facts and facts[0] is not None else TOKENIZER_VOCAB_SIZE
 
 
@@ -59,9 +82,10 @@ def tokenizer_tag(tok) -> str | None:
     """A short tag of a non-GPT-2 tokenizer's file (the first 8 hex digits of its sha256, as its
     fingerprint begins), for the folder its datasets are prepared in; None for GPT-2's or when the
     file cannot be read (the tokenizer's own check then says why)."""
-    if tok is None or tok.get("name") != "hf" or not tok.get("path"):
+    folder = tokenizer_folder(tok.get("path"), tok.get("checkpoint")) if tok is not None else None
+    if tok is None or tok.get("name") != "hf" or not folder:
         return None
-    facts = _facts(tok["path"])
+    facts = _facts(folder)
     return facts[2] if facts else None
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.vocab import tokenizer_folder
 from trainer.data import tokenizer as gpt2
 from trainer.data.hf_tokenizer import bytes_to_unicode, hf_tokenizer_files
 from trainer.errors import DataError
@@ -30,6 +31,9 @@ UINT16_IDS = 1 << 16
 # first of these it has (GPT-2, SmolLM and Qwen base models; Llama 3; SentencePiece models).
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TOKENIZER_FILE = "tokenizer.json"
+# A Hugging Face tokenizer's files, as a model folder (and a checkpoint's copy) holds them: the
+# tokenizer itself, then the two that name its special tokens when there are such.
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 HF_EXTRA = "pip install 'dtrain[tokenizers]'"
 
 
@@ -49,6 +53,9 @@ class GPT2Tokenizer:
     # document there and encode the pieces apart (trainer/data/tokenize_pool.py)
     cuts_documents = True
     path = None
+    # Nothing to copy into a checkpoint: the vocabulary is built in, and every load checks the ranks'
+    # sha256, which the fingerprint is the start of (trainer/data/tokenizer.py).
+    files: dict[str, bytes] = {}
 
     def encode(self, text: str) -> np.ndarray:
         return gpt2.gpt2_encoding().encode_to_numpy(text, disallowed_special=())
@@ -88,7 +95,10 @@ class HFTokenizer:
         if not file.is_file():
             raise DataError(f"tokenizer.path={folder} holds no {TOKENIZER_FILE}; point it at a Hugging Face model "
                             "folder or one `dtrain tokenizer train` wrote")
-        raw = file.read_bytes()
+        # The files as read once: what this tokenizer is, whatever becomes of the folder (a checkpoint
+        # keeps this copy; an export writes it)
+        self.files = {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+        raw = self.files[TOKENIZER_FILE]
         try:
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 - the library's own exception types vary by version
@@ -100,11 +110,19 @@ class HFTokenizer:
         self.fingerprint = sha256_bytes(raw)[:16]
         self._spec = json.loads(raw)
 
+    def _config(self) -> dict:
+        """tokenizer_config.json's settings ({} without one)."""
+        raw = self.files.get("tokenizer_config.json")
+        try:
+            config = json.loads(raw) if raw is not None else {}
+        except ValueError:
+            raise DataError(f"{Path(self.path) / 'tokenizer_config.json'} is not JSON; fix or remove it") from None
+        return config if isinstance(config, dict) else {}
+
     def _end_of_text(self, folder: Path) -> int:
-        config = folder / "tokenizer_config.json"
         names = []
-        if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token")
+        if "tokenizer_config.json" in self.files:
+            eos = self._config().get("eos_token")
             names.append(eos.get("content") if isinstance(eos, dict) else eos)
         for name in [*names, *EOT_CANDIDATES]:
             token_id = self._tok.token_to_id(name) if isinstance(name, str) else None
@@ -152,20 +170,19 @@ class HFTokenizer:
         """This tokenizer's own files for an exported model folder: tokenizer.json as it is, its
         tokenizer_config.json (written if the folder has none) with the model's context length, its
         special_tokens_map.json when there is one, and generation_config.json ending at its end-of-text."""
-        folder = Path(self.path)
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        if (folder / "tokenizer_config.json").is_file():
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+        if "tokenizer_config.json" in self.files:
+            config = self._config()
         eot_text = self._tok.id_to_token(self.eot)
         config.setdefault("eos_token", eot_text)
         config.setdefault("bos_token", eot_text)
         config["model_max_length"] = model_max_length
-        files = {TOKENIZER_FILE: (folder / TOKENIZER_FILE).read_text(encoding="utf-8"),
+        files = {TOKENIZER_FILE: self.files[TOKENIZER_FILE].decode("utf-8"),
                  "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
                  "generation_config.json": json.dumps({"_from_model_config": True, "bos_token_id": self.eot,
                                                        "eos_token_id": self.eot}, indent=2) + "\n"}
-        if (folder / "special_tokens_map.json").is_file():
-            files["special_tokens_map.json"] = (folder / "special_tokens_map.json").read_text(encoding="utf-8")
+        if "special_tokens_map.json" in self.files:
+            files["special_tokens_map.json"] = self.files["special_tokens_map.json"].decode("utf-8")
         return files
 
     @property
@@ -180,14 +197,29 @@ def identity_of(tok) -> dict:
 
 
 def load_tokenizer(tok_cfg) -> GPT2Tokenizer | HFTokenizer:
-    """The tokenizer a `tokenizer` config (name, path) names; DataError in one line when it cannot be read."""
+    """The tokenizer a `tokenizer` config (name, path, checkpoint) names; DataError in one line when
+    it cannot be read. tokenizer.checkpoint, when set, is read instead of tokenizer.path (config/vocab.py)."""
     name = tok_cfg["name"] if isinstance(tok_cfg, dict) else tok_cfg.name
-    path = tok_cfg.get("path") if isinstance(tok_cfg, dict) else tok_cfg.path
-    return _load(name, str(Path(path).expanduser().absolute()) if path else None)
+    path = tokenizer_folder(tok_cfg.get("path"), tok_cfg.get("checkpoint"))
+    folder = str(Path(path).expanduser().absolute()) if path else None
+    return _load(name, folder, _files_state(folder))
+
+
+def _files_state(folder: str | None) -> tuple:
+    """Each tokenizer file's size and mtime: a folder whose tokenizer was replaced since
+    (`dtrain tokenizer train --force`) is read again, not served from the cache."""
+    state = []
+    for name in TOKENIZER_FILES if folder else ():
+        try:
+            stat = (Path(folder) / name).stat()
+            state.append((name, stat.st_size, stat.st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(state)
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name: str, path: str | None):
+def _load(name: str, path: str | None, _state: tuple):
     if name == "gpt2":
         return GPT2Tokenizer()
     if name == "hf":

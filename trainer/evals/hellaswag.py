@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from trainer.data.downloads import download
-from trainer.data.tokenizers import GPT2Tokenizer, load_tokenizer
+from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, DataError
 from trainer.io import one_line, sha256_file, write_atomic
 
@@ -302,15 +302,15 @@ class HellaSwagEval:
         self.n_batches = math.ceil(math.ceil(self.n_total / world) / batch_examples)
 
     @classmethod
-    def from_config(cls, cfg, rt) -> HellaSwagEval:
-        """Rank 0 finds (downloads) and reads the file and shares the examples with every rank."""
+    def from_config(cls, cfg, rt, tokenizer) -> HellaSwagEval:
+        """Rank 0 finds (downloads) and reads the file and shares the examples with every rank;
+        `tokenizer` encodes them (the run's: trainer/data/tokenizers.py)."""
         limit = cfg.eval.limit
         if limit is not None and limit < 1:
             raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")
         examples = rt.from_main(lambda: read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit),
                                 error=DataError)
-        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size,
-                   load_tokenizer(cfg.tokenizer))
+        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size, tokenizer)
 
     @property
     def n_local(self) -> int:

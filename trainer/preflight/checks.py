@@ -23,6 +23,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import DataError
 from trainer.observe.metrics import require_tracker
 from trainer.preflight.continuation import check_continuation, check_same_data
+from trainer.preflight.run_tokenizer import Pin, unpinned
 from trainer.preflight.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
 from trainer.process.env import restart_count
 
@@ -151,11 +152,18 @@ def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
     )
 
 
-def record_config(cfg, run_dir: Path) -> None:
-    """resolved_config.json, with a line when it replaces a different record (trainer.preflight.claim's last step)."""
-    note = write_config_record(run_dir, to_dict(cfg))
+def record_config(cfg, run_dir: Path, pin: Pin | None = None) -> None:
+    """resolved_config.json, with a line when it replaces a different record (trainer.preflight.claim's
+    last step). `pin`: the tokenizer a continuation pinned to a checkpoint's copy, not recorded as a
+    setting (run_tokenizer.py)."""
+    note = write_config_record(run_dir, unpinned(to_dict(cfg), pin))
     if note:
         _say(note)
+
+
+def say_notice(line: str) -> None:
+    """One `dtrain: ...` line on stderr."""
+    _say(line)
 
 
 def _say(line: str) -> None:

@@ -1,6 +1,8 @@
 """Claiming a run: the one way each of dtrain's launch paths starts one.
 
-    claim_run:  the checks that need no torch (checks.py's check_run)
+    claim_run:  a continuation's tokenizer pinned to its checkpoint's copy when its folder moved
+                (run_tokenizer.py)
+             -> the checks that need no torch (checks.py's check_run)
              -> the checks that need torch (torch_checks.py's check_with_torch)
              -> the run directory claimed (its lock taken, the folder made)
              -> the resolved config recorded (resolved_config.json)
@@ -22,7 +24,8 @@ from pathlib import Path
 
 from trainer.config.schema import requested_world
 from trainer.config.validation import validate
-from trainer.preflight.checks import check_data, check_run, record_config
+from trainer.preflight.checks import check_data, check_run, record_config, say_notice
+from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState
 
 
@@ -31,12 +34,15 @@ def claim_run(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
     by the caller for the run's life) and record its config; returns what the directory held. A
     finished run is neither claimed nor recorded (the caller says so and trains nothing)."""
     lock.probe()
+    pin = pin_run_tokenizer(cfg, run_dir)  # before the checks: the vocabulary and the data folder follow it
     state = check_run(cfg, run_dir, world, lock)
     if state is RunDirState.FINISHED:
         return state
     _check_with_torch(cfg, world, run_dir)
     lock.claim()
-    record_config(cfg, run_dir)
+    record_config(cfg, run_dir, pin)
+    if pin is not None:
+        say_notice(pin.note)
     return state
 
 

@@ -264,7 +264,7 @@ def train(cfg, rt: Runtime, run_dir: Path, checkpointer=None) -> RunResult:
 def _train(cfg, rt: Runtime, run_dir: Path, checkpointer) -> RunResult:
     hellaswag = None
     if cfg.eval.hellaswag.interval > 0:  # the examples are read and tokenized once per run, not per eval
-        hellaswag = HellaSwagEval.from_config(cfg, rt)
+        hellaswag = HellaSwagEval.from_config(cfg, rt, load_tokenizer(cfg.tokenizer))
     run = Run(cfg, rt, run_dir)
     t = cfg.train
     if checkpointer is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from trainer.checkpoint.manager import Checkpointer
-from trainer.config.schema import from_dict
+from trainer.config.schema import from_dict, to_dict
 from trainer.errors import Stopped
 from trainer.parallel import strategy_class
 from trainer.preflight.claim import claim_run
@@ -49,7 +49,7 @@ def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
                 finished = claim_run(cfg, Path(run_dir), rt.world, lock) is RunDirState.FINISHED
                 if finished:
                     print(f"dtrain: {finished_message(Path(run_dir))}", flush=True)
-                return cfg_dict, run_dir, finished
+                return to_dict(cfg), run_dir, finished  # as claimed: a continuation's tokenizer pinned
 
             claimed_cfg, claimed_dir, finished = rt.from_main(claim)
             if finished:
