@@ -49,6 +49,16 @@ def default_data_dir() -> Path:
     return Path(os.path.expanduser(os.environ.get("DTRAIN_DATA_DIR") or "~/.cache/dtrain/data"))
 
 
+def val_token_count(total: int, val_fraction: float) -> int:
+    """The tokens of a `total`-token stream that go to validation, as prepare cuts them (the tokenizer fit and
+    the data.max_tokens check predict the same split): a rounded
+    fraction, at least one when there is a split, never the whole stream."""
+    n_val = int(round(total * val_fraction))
+    if val_fraction > 0:
+        n_val = max(1, n_val)
+    return max(0, min(n_val, total - 1))
+
+
 def dataset_dir(data_cfg) -> Path:
     """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (prepare.as_data_cfg).
     A name that is not one folder name (empty, '..', a path) is refused here too, so that no caller

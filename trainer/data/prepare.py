@@ -43,7 +43,7 @@ from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, resolve_local, wher
 from trainer.data import sources
 from trainer.data.hints import prepare_command, prepare_hint
 from trainer.data.in_use import rewriting
-from trainer.data.layout import DTYPES, FORMAT, MANIFEST, as_data_cfg, dataset_dir
+from trainer.data.layout import DTYPES, FORMAT, MANIFEST, as_data_cfg, dataset_dir, val_token_count
 from trainer.data.manifest import (
     SETTINGS_KEYS,
     describe_tokenizer,
@@ -355,11 +355,7 @@ def _build(cfg: DictConfig, source: sources.Source, tmp: Path, progress: bool | 
                             "for all)")
         raise DataError(f"dataset {cfg.name!r} has no text (source {source.description}: {documents} empty "
                         "document(s)); check data.source")
-    n_val = int(round(total * cfg.val_fraction))
-    if cfg.val_fraction > 0:
-        n_val = max(1, n_val)
-    n_val = min(n_val, total - 1)
-    train, val = split_stream(writer, n_val, tmp, cfg.shard_tokens)
+    train, val = split_stream(writer, val_token_count(total, cfg.val_fraction), tmp, cfg.shard_tokens)
     splits = {
         name: [{"file": p.name, "tokens": n, "sha256": sha256_file(p)} for p, n in shards]
         for name, shards in (("train", train), ("val", val))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from trainer.data.layout import val_token_count
 from trainer.data.tokenizers import HF_EXTRA
 from trainer.errors import DataError
 
@@ -40,15 +41,6 @@ class Fit:
     stream_bytes: int  # the UTF-8 bytes those tokens stand for
     fits: int  # how many trainings it took to find a cut that holds
     cut: Position  # the end of the text it was trained on (the validation split starts there or later)
-
-
-def val_token_count(total: int, val_fraction: float) -> int:
-    """The tokens of a `total`-token stream that go to validation, as prepare counts them: a rounded
-    fraction, at least one when there is a split, never the whole stream."""
-    n_val = int(round(total * val_fraction))
-    if val_fraction > 0:
-        n_val = max(1, n_val)
-    return max(0, min(n_val, total - 1))
 
 
 def fit_train_split(docs: list[str], vocab_size: int, val_fraction: float, max_tokens: int | None,

@@ -15,7 +15,7 @@ from trainer.config.schema import batch_plan, to_dict, tracker_names
 from trainer.config.validation import validate
 from trainer.data.hints import prepare_command
 from trainer.data.in_use import hold_for_reading
-from trainer.data.layout import as_data_cfg, dataset_dir
+from trainer.data.layout import as_data_cfg, dataset_dir, val_token_count
 from trainer.data.mixture import check_mixture_data, mixture_weights
 from trainer.data.prepare import check_prepared_source, check_source, is_prepared, prepare
 from trainer.data.shards import open_split
@@ -132,8 +132,7 @@ def _check_max_tokens(data_cfg, train_need: int, val_need: int) -> None:
     fraction = data_cfg.val_fraction
 
     def val_tokens(total: int) -> int:
-        n = max(1, round(total * fraction)) if fraction > 0 else 0
-        return min(n, total - 1)
+        return val_token_count(total, fraction)
 
     def fits(total: int) -> bool:
         return total - val_tokens(total) >= train_need and val_tokens(total) >= val_need
