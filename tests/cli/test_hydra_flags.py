@@ -14,6 +14,7 @@ from helpers.dtrain import read_metrics, run_dtrain, tiny_args
 from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
+from trainer.cli import main
 from trainer.config.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
 
 PRESET = """\
@@ -134,3 +135,38 @@ def test_the_run_name_sees_init_from_as_the_run_records_it(tmp_path, monkeypatch
     absolute = compose([f"model.init_from={tmp_path / 'src'}"], return_hydra_config=True)
     assert default_run_name(relative) == default_run_name(absolute)
     assert OmegaConf.select(relative, "hydra.run.dir") == OmegaConf.select(absolute, "hydra.run.dir")
+
+
+# Issue 45, finding 12: Hydra's flags beside a bad override, or beside one another, were Hydra's
+# ConfigCompositionException or ValueError traceback (exit 1) or its usage page. Each is one line.
+BAD_FLAG_USES = {
+    "--help nosuch.key=1": "nosuch is not a config key",
+    "--hydra-help nosuch.key=1": "nosuch is not a config key",
+    "-m --help nosuch.key=1": "nosuch is not a config key",
+    "--help optim.lr=abc": "optim.lr=abc",
+    "--help model=nosuch": "Could not find 'model/nosuch'",
+    "-m --help optim.lr=1e-3,2e-3": "-m sweeps optim.lr: give each key one value",
+    "--cfg job nosuch.key=1": "nosuch is not a config key",
+    "--cfg nosuch.key=1": "--cfg takes one of job, hydra, all before the overrides; e.g. dtrain train --cfg job",
+    "--info nosuch.key=1": "--info takes one of all, config",
+    "-m --cfg job model=tiny": "-m and --cfg: Hydra does one of",
+    "--info -m": "-m and --info",
+    "--cfg job --info": "--cfg and --info",
+    "-m --resolve": "--resolve",
+}
+
+
+@pytest.mark.parametrize("typed", list(BAD_FLAG_USES))
+def test_hydra_flags_beside_a_bad_override_are_one_line(typed, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *typed.split()])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert BAD_FLAG_USES[typed] in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_with_a_bad_override_is_one_line_as_typed(tmp_path):
+    assert_user_error(run_dtrain(["train", "--help", "nosuch.key=1"], cwd=tmp_path), "nosuch is not a config key")
+    assert list(tmp_path.iterdir()) == []

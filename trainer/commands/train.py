@@ -23,6 +23,7 @@ from rich.console import Console
 
 from trainer.config.compose import (
     anchor_paths,
+    check_hydra_flags,
     compose,
     config_source,
     env_flag,
@@ -32,10 +33,12 @@ from trainer.config.compose import (
     run_hydra_app,
     split_args,
     sweep_points,
+    swept_keys,
 )
 from trainer.config.keys import apply_renamed_keys
 from trainer.config.schema import requested_world, to_dict
 from trainer.config.validation import validate
+from trainer.errors import UserError
 from trainer.io import folder_setting, write_errors_as_user_errors
 from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
 from trainer.preflight.claim import check_sweep_point, claim_run
@@ -51,17 +54,27 @@ SECONDARY_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disab
 def cmd_train(args: list[str]) -> None:
     source = config_source(args)
     with plugin_hint():
+        check_hydra_flags(args)
         overrides, multirun = split_args(args)
         args = expand_seeds(args, multirun)  # sweep.seeds=N: the axis train.seed=0,...,N-1
         overrides, _ = split_args(args)
         if is_informational(args):
-            if not any(a in ("--help", "-h", "--hydra-help") for a in args):
-                compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page
+            _check_printed_config(overrides, multirun, source)
             run_hydra_app(args, train_job)  # Hydra prints the help, the info or the config; nothing runs
         elif multirun:
             _sweep(args, overrides, source)
         else:
             _single_run(args, overrides, source)
+
+
+def _check_printed_config(overrides: list[str], multirun: bool, source) -> None:
+    """The config that --help, --cfg or --info prints composes: an unknown config, key or value is
+    one line, not Hydra's page or traceback. Hydra's help composes one config, not a sweep's."""
+    swept = swept_keys(overrides) if multirun else []
+    if swept:
+        raise UserError(f"--help shows one composed config, and -m sweeps {', '.join(swept)}: give each key "
+                        "one value to see it in the help")
+    compose(overrides, source=source)
 
 
 def _single_run(args: list[str], overrides: list[str], source) -> None:

@@ -44,6 +44,13 @@ HYDRA_FLAGS = {"--multirun", "-m", "--resolve", "--help", "-h", "--hydra-help", 
 # Flags that only print something (help, the config): nothing is checked or run.
 INFORMATIONAL_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c",
                        "--shell-completion", "-sc")
+HELP_FLAGS = ("--help", "-h", "--hydra-help")
+# The words Hydra's --cfg must and --info may take (its argparse choices), and the flags of which
+# Hydra runs one per command (anything else is its ValueError traceback).
+FLAG_CHOICES = {"--cfg": ("job", "hydra", "all"),
+                "--info": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")}
+FLAG_NAMES = {"-c": "--cfg", "-i": "--info", "--multirun": "-m", "--shell-completion": "-sc"}
+ONE_OF_FLAGS = ("-m", "--cfg", "--info", "-sc")
 
 
 # The resolver of the default run directory (conf/config.yaml: outputs/${dtrain_run_name:}).
@@ -125,6 +132,43 @@ def split_args(args: list[str]) -> tuple[list[str], bool]:
 
 def is_informational(args: list[str]) -> bool:
     return any(a in INFORMATIONAL_FLAGS or a.split("=", 1)[0] in ("--cfg", "-c", "--info") for a in args)
+
+
+def check_hydra_flags(args: list[str]) -> None:
+    """What Hydra's own argument parsing would refuse with its usage page or a ValueError traceback,
+    as one line: a --cfg or --info word that is not one of Hydra's (an override written right after
+    --info is taken for its word), two of -m/--cfg/--info/-sc, --resolve without --cfg or --help."""
+    given = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = FLAG_NAMES.get(flag, flag)
+        given.append(flag)
+        if flag not in FLAG_CHOICES:
+            continue
+        following = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else None
+        word = value if eq else following
+        if word is None and flag == "--info":
+            continue  # --info alone is --info all
+        choices = FLAG_CHOICES[flag]
+        if word not in choices:
+            typed = f"{arg} {word}" if word is not None and not eq else arg
+            overrides = " ".join(a for a in args if "=" in a and not a.startswith("-"))
+            raise UserError(f"{typed}: {flag} takes one of {', '.join(choices)} before the overrides; "
+                            f"e.g. dtrain train {flag} {choices[0]} {overrides}".rstrip())
+    if any(flag in HELP_FLAGS for flag in given):
+        return  # Hydra prints the help whatever else is given
+    if "--resolve" in given and "--cfg" not in given:
+        raise UserError("--resolve resolves what --cfg prints; give it with --cfg (dtrain train --cfg job --resolve)")
+    several = [flag for flag in ONE_OF_FLAGS if flag in given]
+    if len(several) > 1:
+        hint = " (a point's config: drop -m and give each key one value)" if "-m" in several else ""
+        raise UserError(f"{' and '.join(several)}: Hydra does one of {', '.join(ONE_OF_FLAGS)} per command; "
+                        f"give one of them{hint}")
+
+
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys a multirun's overrides sweep (`optim.lr=1e-3,3e-3`, `range(...)`, `choice(...)`)."""
+    return [override.get_key_element() for override in parse_overrides(overrides) if override.is_sweep_override()]
 
 
 def hydra_error_text(err: Exception) -> str:
@@ -291,18 +335,22 @@ def anchor_paths(cfg: DictConfig) -> None:
         cfg.tokenizer.path = str(Path(cfg.tokenizer.path).expanduser().absolute())
 
 
-def sweep_points(overrides: list[str]) -> list[list[str]]:
-    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists), in the
-    order Hydra's basic sweeper runs them (the last override varies fastest)."""
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parsed overrides; a syntax error is one line."""
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        return OverridesParser.create().parse_overrides(overrides)
     except Exception as err:
         unquoted = unquoted_non_ascii(overrides)
         if isinstance(err, OverrideParseException) and unquoted:
             raise quote_hint(unquoted) from None
         raise UserError(f"bad override: {hydra_error_text(err)}") from None
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists), in the
+    order Hydra's basic sweeper runs them (the last override varies fastest)."""
     axes: dict[str, list[str]] = {}  # a key given twice keeps its place and takes the last value, as Hydra's
-    for override in parsed:
+    for override in parse_overrides(overrides):
         key = override.get_key_element()
         if override.is_sweep_override() and not override.is_discrete_sweep():
             raise UserError(f"{key}: a {override.value_type.name} sweep needs a sweeper plugin "
