@@ -6,11 +6,12 @@ what the run learns, so the same command finds the same folder."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import read_metrics, run_dtrain, tiny_args
+from helpers.dtrain import args_with, read_metrics, run_dtrain, tiny_args
 from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
@@ -170,3 +171,22 @@ def test_hydra_flags_beside_a_bad_override_are_one_line(typed, tmp_path, monkeyp
 def test_help_with_a_bad_override_is_one_line_as_typed(tmp_path):
     assert_user_error(run_dtrain(["train", "--help", "nosuch.key=1"], cwd=tmp_path), "nosuch is not a config key")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_job_chdir_reads_the_data_of_the_folder_the_command_was_typed_in(data_dir, tmp_path):
+    """Issue 45, finding 15: with hydra.job.chdir=true the job ran inside its run directory and looked
+    for a relative data.dir there, after the run directory was written. Relative paths are taken
+    from the folder the command was typed in, as model.init_from always was."""
+    run_dir = tmp_path / "run"
+    relative = os.path.relpath(data_dir, tmp_path)
+    run_dtrain(args_with(data_dir, run_dir, f"data.dir={relative}", "train.max_steps=2", "hydra.job.chdir=true"),
+               cwd=tmp_path, check=True)
+    assert json.loads((run_dir / "resolved_config.json").read_text())["data"]["dir"] == str(tmp_path / relative)
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
+
+
+def test_the_run_name_under_chdir_sees_data_dir_as_the_run_records_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = compose(["hydra.job.chdir=true", "data.dir=data"], return_hydra_config=True)
+    absolute = compose(["hydra.job.chdir=true", f"data.dir={tmp_path / 'data'}"], return_hydra_config=True)
+    assert OmegaConf.select(relative, "hydra.run.dir") == OmegaConf.select(absolute, "hydra.run.dir")

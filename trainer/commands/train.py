@@ -82,7 +82,7 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
         extra = [f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
         overrides, args = [*overrides, *extra], [*args, *extra]
     cfg = compose(overrides, return_hydra_config=True, source=source)
-    anchor_paths(cfg)
+    anchor_paths(cfg, chdir=cfg.hydra.job.chdir)
     job_cfg = _without_hydra(cfg)
     run_dir = folder_setting("hydra.run.dir", cfg.hydra.run.dir)
     # hydra.main composes again: the folder is pinned, so a `${now:}` in it cannot tick in between
@@ -182,8 +182,7 @@ def _scratch_dir() -> str:
 
 def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
-    run_dir, sweep_point = hydra_job()
-    anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
+    run_dir, sweep_point = hydra_job(cfg)  # hydra.main composed it again: anchored as the checks' was
     if sweep_point is not None:  # status file, summary.jsonl, skip finished / resume unfinished
         return run_point(cfg, sweep_point, lambda lock: _train_point(cfg, run_dir, lock))
     return run_training(cfg, run_dir)["best_val_loss"]

@@ -276,15 +276,11 @@ def register_hydra() -> None:
 
 def default_run_name(root: DictConfig) -> str:
     """The run's name from its trajectory keys (keys.py's run_identity), as the run will record
-    them: model.init_from made absolute (anchor_paths), whatever folder the command is typed in."""
-    job = OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]), resolve=True)
-    init_from = job["model"].get("init_from")
-    if init_from and init_from != INIT_FROM_REQUIRED:
-        job["model"]["init_from"] = str(Path(init_from).expanduser().absolute())
-    for section in (job.get("tokenizer"), job.get("data", {}).get("tokenizer")):
-        if isinstance(section, dict) and section.get("path"):
-            section["path"] = str(Path(section["path"]).expanduser().absolute())
-    return run_identity(job)
+    them: its paths anchored (anchor_paths), whatever folder the command is typed in."""
+    job = OmegaConf.create(OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]),
+                                                  resolve=True))
+    anchor_paths(job, chdir=bool(OmegaConf.select(root, "hydra.job.chdir", default=False)))
+    return run_identity(OmegaConf.to_container(job))
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False,
@@ -325,14 +321,25 @@ def _with_search_path(overrides: list[str], source: ConfigSource) -> list[str]:
     return [o for o in overrides if o not in given] + [f"hydra.searchpath=[{listed}]"]
 
 
-def anchor_paths(cfg: DictConfig) -> None:
-    """model.init_from made absolute where the command was typed: the run records it so, the same
-    command from another folder is the same run, and workers that start elsewhere read the same source."""
-    # a recipe's REQUIRED sentinel is left as it is, for validation's error line
-    if cfg.model.init_from and cfg.model.init_from != INIT_FROM_REQUIRED:
-        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
-    if OmegaConf.select(cfg, "tokenizer.path", default=None):  # tokenizer=hf tokenizer.path=DIR, likewise
-        cfg.tokenizer.path = str(Path(cfg.tokenizer.path).expanduser().absolute())
+# Paths the job itself reads, anchored too when hydra.job.chdir=true runs it inside its run
+# directory (without it they are read from the folder the command was typed in, and kept as typed:
+# data.dir and data.source name the run's folder, and the runs before recorded them so).
+CHDIR_PATHS = ("data.dir", "data.source", "eval.hellaswag.path", "resume")
+
+
+def anchor_paths(cfg: DictConfig, launch_dir: Path | None = None, chdir: bool = False) -> None:
+    """model.init_from and tokenizer.path made absolute against the folder the command was typed in
+    (`launch_dir`; the current folder by default): the run records them so, the same command from
+    another folder is the same run, and workers that start elsewhere read the same source. With
+    `chdir` (hydra.job.chdir=true) CHDIR_PATHS as well, which the job would otherwise look up in
+    its run directory. URLs and resume=auto/never stay as they are."""
+    base = launch_dir or Path.cwd()
+    # what is not a path: a recipe's REQUIRED sentinel (left for validation's error line), resume's words
+    not_paths = {"model.init_from": (INIT_FROM_REQUIRED,), "resume": ("auto", "never")}
+    for key in ("model.init_from", "tokenizer.path", "data.tokenizer.path", *(CHDIR_PATHS if chdir else ())):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value and value not in not_paths.get(key, ()) and "://" not in str(value):
+            OmegaConf.update(cfg, key, str(base / Path(str(value)).expanduser()), merge=False)
 
 
 def parse_overrides(overrides: list[str]) -> list:
@@ -414,8 +421,11 @@ def run_hydra_app(args: list[str], task: Callable[[DictConfig], object]) -> None
         sys.argv = typed
 
 
-def hydra_job() -> tuple[Path, DictConfig | None]:
+def hydra_job(cfg: DictConfig) -> tuple[Path, DictConfig | None]:
     """Inside run_hydra_app's task: the job's output folder, and Hydra's config when the job is one
-    point of a sweep (None for a single run)."""
+    point of a sweep (None for a single run). `cfg`, hydra.main's composition, gets its paths
+    anchored as the checks' were, in the folder the command was typed in (Hydra's runtime.cwd:
+    hydra.job.chdir=true has moved this process into the output folder by now)."""
     hydra_cfg = HydraConfig.get()
+    anchor_paths(cfg, Path(hydra_cfg.runtime.cwd), chdir=hydra_cfg.job.chdir)
     return Path(hydra_cfg.runtime.output_dir), hydra_cfg if hydra_cfg.mode == RunMode.MULTIRUN else None
