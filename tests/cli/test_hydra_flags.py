@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from trainer.cli import main
 from trainer.config.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
+from trainer.launch.sweep import pin_sweep_dir
 
 PRESET = """\
 # @package _global_
@@ -190,3 +191,23 @@ def test_the_run_name_under_chdir_sees_data_dir_as_the_run_records_it(tmp_path, 
     relative = compose(["hydra.job.chdir=true", "data.dir=data"], return_hydra_config=True)
     absolute = compose(["hydra.job.chdir=true", f"data.dir={tmp_path / 'data'}"], return_hydra_config=True)
     assert OmegaConf.select(relative, "hydra.run.dir") == OmegaConf.select(absolute, "hydra.run.dir")
+
+
+def test_the_default_sweep_dir_is_named_by_the_sweep(tmp_path, monkeypatch):
+    """Issue 45, finding 17: it was multirun/<date>/<time>, so the same -m command started over in
+    another folder, and only an explicit hydra.sweep.dir= continued a sweep."""
+    monkeypatch.chdir(tmp_path)
+
+    def sweep_dir(*overrides: str) -> Path:
+        args, folder = pin_sweep_dir(["-m", "model=tiny", *overrides])
+        assert sum(a.startswith("hydra.sweep.dir=") for a in args) == 1  # what Hydra is told
+        return folder
+
+    lr = sweep_dir("optim.lr=1e-3,3e-3")
+    assert lr.parent == Path("multirun") and lr.name.startswith("optim.lr-")
+    assert sweep_dir("optim.lr=1e-3,3e-3") == lr
+    assert sweep_dir("optim.lr=1e-3,3e-3", "sweep.fail_fast=true") == lr  # how the sweep runs, not what
+    assert sweep_dir("optim.lr=1e-3,1e-2") != lr
+    assert sweep_dir("optim=adamw,muon", "train.seed=0,1").name.startswith("optim_train.seed-")
+    assert sweep_dir("optim.lr=1e-3,3e-3", "hydra.sweep.dir=mine") == Path("mine")
+    assert list(tmp_path.iterdir()) == []

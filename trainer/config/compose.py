@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from trainer.config.dataset_names import HF_NAME_RESOLVER, hf_dataset_name
-from trainer.config.keys import apply_renamed_keys, run_identity
+from trainer.config.keys import apply_renamed_keys, run_identity, sweep_identity
 from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, schema_keys
 from trainer.errors import UserError
 
@@ -53,8 +53,10 @@ FLAG_NAMES = {"-c": "--cfg", "-i": "--info", "--multirun": "-m", "--shell-comple
 ONE_OF_FLAGS = ("-m", "--cfg", "--info", "-sc")
 
 
-# The resolver of the default run directory (conf/config.yaml: outputs/${dtrain_run_name:}).
+# The resolvers of the default run directory and sweep folder (conf/config.yaml:
+# outputs/${dtrain_run_name:}, multirun/${dtrain_sweep_name:}).
 RUN_NAME_RESOLVER = "dtrain_run_name"
+SWEEP_NAME_RESOLVER = "dtrain_sweep_name"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +272,8 @@ def register_hydra() -> None:
     ConfigStore.instance().store(name="dtrain_schema", node=Config)
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
+    if not OmegaConf.has_resolver(SWEEP_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(SWEEP_NAME_RESOLVER, lambda *, _root_: default_sweep_name(_root_))
     if not OmegaConf.has_resolver(HF_NAME_RESOLVER):  # conf/data/hf.yaml's data.name
         OmegaConf.register_new_resolver(HF_NAME_RESOLVER, hf_dataset_name)
 
@@ -281,6 +285,15 @@ def default_run_name(root: DictConfig) -> str:
                                                   resolve=True))
     anchor_paths(job, chdir=bool(OmegaConf.select(root, "hydra.job.chdir", default=False)))
     return run_identity(OmegaConf.to_container(job))
+
+
+def default_sweep_name(root: DictConfig) -> str:
+    """The sweep's name from its overrides as typed (hydra.overrides.task, where a multirun keeps
+    them with their sweep values: trainer/launch/sweep.py's pin_sweep_dir resolves the folder so)
+    and the primary config's name (keys.py's sweep_identity)."""
+    task = [str(o) for o in OmegaConf.select(root, "hydra.overrides.task", default=None) or []]
+    config_name = OmegaConf.select(root, "hydra.job.config_name", default=None) or CONFIG_NAME
+    return sweep_identity(task, swept_keys(task), config_name)
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False,
