@@ -16,7 +16,8 @@ from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
 from trainer.cli import main
-from trainer.config.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
+from trainer.config.command_line import ConfigSource, config_source, hydra_args
+from trainer.config.compose import compose, default_run_name, sweep_points
 from trainer.launch.sweep import pin_sweep_dir
 
 PRESET = """\

@@ -21,20 +21,8 @@ from pathlib import Path
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
-from trainer.config.compose import (
-    anchor_paths,
-    check_hydra_flags,
-    compose,
-    config_source,
-    env_flag,
-    expand_seeds,
-    hydra_job,
-    is_informational,
-    run_hydra_app,
-    split_args,
-    sweep_points,
-    swept_keys,
-)
+from trainer.config.command_line import check_hydra_flags, config_source, expand_seeds, is_informational, split_args
+from trainer.config.compose import anchor_paths, compose, env_flag, hydra_job, run_hydra_app, sweep_points, swept_keys
 from trainer.config.keys import apply_renamed_keys
 from trainer.config.schema import requested_world, to_dict
 from trainer.config.validation import validate

@@ -28,7 +28,8 @@ from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
-from trainer.config.compose import OneLineJobError, compose, config_source, split_args, sweep_points
+from trainer.config.command_line import config_source, split_args
+from trainer.config.compose import OneLineJobError, compose, sweep_points
 from trainer.config.keys import identity
 from trainer.errors import Stopped, UserError
 from trainer.io import check_writable_dir, folder_setting, write_atomic
