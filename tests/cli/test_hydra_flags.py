@@ -16,7 +16,7 @@ from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
 from trainer.cli import main
-from trainer.config.command_line import ConfigSource, config_source, hydra_args
+from trainer.config.command_line import ConfigSource, config_source, hydra_args, split_args
 from trainer.config.compose import compose, default_run_name, sweep_points
 from trainer.launch.sweep import pin_sweep_dir
 
@@ -168,6 +168,14 @@ def test_hydra_flags_beside_a_bad_override_are_one_line(typed, tmp_path, monkeyp
     assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
     assert BAD_FLAG_USES[typed] in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bare_info_keeps_the_overrides_hydra_sees_after_it(tmp_path):
+    """--config-dir's folder goes first for Hydra: `--info` then stood before an override, which
+    Hydra's argparse took for --info's word."""
+    args = ["--info", "--config-dir", str(tmp_path), "model=tiny"]
+    assert split_args(args) == (["model=tiny"], False)
+    assert hydra_args(args) == [f"--config-dir={tmp_path}", "--info=all", "model=tiny"]
 
 
 def test_help_with_a_bad_override_is_one_line_as_typed(tmp_path):

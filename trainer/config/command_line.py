@@ -71,13 +71,17 @@ def config_source(args: list[str]) -> ConfigSource:
 
 
 def hydra_args(args: list[str]) -> list[str]:
-    """args with Hydra's source flags replaced by their absolute form (ConfigSource.hydra_flags)."""
+    """args with Hydra's source flags replaced by their absolute form (ConfigSource.hydra_flags),
+    and a bare --info written --info=all (what it means), so that no override moved beside it is
+    taken for its word."""
     kept, skip = [], False
-    for arg in args:
+    for i, arg in enumerate(args):
         if skip:
             skip = False
         elif arg in SOURCE_FLAGS:
             skip = True
+        elif arg in ("--info", "-i") and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            kept.append("--info=all")
         elif arg.partition("=")[0] not in SOURCE_FLAGS:
             kept.append(arg)
     return [*config_source(args).hydra_flags(), *kept]
@@ -86,11 +90,12 @@ def hydra_args(args: list[str]) -> list[str]:
 def split_args(args: list[str]) -> tuple[list[str], bool]:
     """The key=value overrides among args, and whether this is a multirun (-m)."""
     overrides, multirun, skip = [], False, False
-    for arg in args:
+    for i, arg in enumerate(args):
         if skip:
             skip = False
         elif arg in HYDRA_FLAGS_WITH_VALUE:
-            skip = True
+            # --info's word is optional (argparse's nargs="?"): a flag after it is not its value
+            skip = arg not in ("--info", "-i") or (i + 1 < len(args) and not args[i + 1].startswith("-"))
         elif arg.split("=", 1)[0] in HYDRA_FLAGS_WITH_VALUE:
             pass
         elif arg in HYDRA_FLAGS:
