@@ -43,10 +43,10 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 	$(COMPAT_VENV)/bin/python -m pip install --quiet -e '.[export]' 'pytest>=8'
 	touch $@
 
-train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, < 5 min on 2 cores)
+train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, ~4 min on 2 cores)
 	$(DTRAIN) train experiment=shakespeare_cpu $(ARGS)
 
-sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a DDP run at world 2 (multirun/)
+sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a DDP run at world 2 (multirun/optim.lr-<digest>/; run again, it continues)
 	$(DTRAIN) train -m model=tiny train.max_steps=40 train.log_interval=2 train.val_interval=10 \
 	    train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=0 train.progress=false \
 	    'optim.lr=1e-3,3e-3' parallel=ddp world=2 $(ARGS)
@@ -54,7 +54,7 @@ sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a 
 report: setup ## PNG plots + a table of the latest sweep or run (or RUN=DIR); the files go into that folder
 	@dir="$(RUN)"; \
 	if [ -z "$$dir" ]; then \
-	    latest=$$(ls -t multirun/*/*/summary.jsonl outputs/*/metrics.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
+	    latest=$$(ls -t multirun/*/summary.jsonl multirun/*/*/summary.jsonl outputs/*/metrics.jsonl outputs/*/*/metrics.jsonl 2>/dev/null | head -n 1); \
 	    [ -n "$$latest" ] && dir=$$(dirname "$$latest"); \
 	fi; \
 	if [ -z "$$dir" ]; then echo "no sweep or run under multirun/ or outputs/ yet: make train or make sweep first, or make report RUN=DIR" >&2; exit 2; fi; \

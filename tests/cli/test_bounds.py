@@ -5,6 +5,7 @@ line, exit code 2, no traceback, nothing written and no hang; the bounds themsel
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 from trainer.cli import main
 from trainer.commands.plan import cmd_plan
 from trainer.config.compose import compose
-from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED
+from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED, OPTIMIZERS
 from trainer.config.shape import parameter_count
 from trainer.config.validation import MAX_PARAMETERS, NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
 from trainer.data.layout import dataset_dir
@@ -46,6 +47,10 @@ REFUSED = {
     "n_embd 1e6": pytest.param(["model.n_embd=1000000"],
                                ["24,050,413,000,000 parameters need", "per worker", "this machine's RAM",
                                 "parallel=fsdp", "`dtrain plan` shows what fits"], marks=pytest.mark.slow),
+    # issue 45, finding 11: a KeyError traceback, the check having its own table of optimizers
+    "lion too big": pytest.param(["optim=lion", "model=gpt2_1558m", "model.n_layer=1000"],
+                                 ["parameters need", "and Lion state", "this machine's RAM"],
+                                 marks=pytest.mark.slow),
 }
 
 
@@ -70,6 +75,18 @@ def test_a_model_that_cannot_fit_says_the_size_and_the_memory():
     line = str(err.value)
     assert "(parallel=fsdp, world=2)" in line and "RAM / 2 workers" in line and "shard it" not in line
     check_model_fits(compose(["model=tiny", "parallel=fsdp", "world=2"]), 2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_every_optimizer_names_its_state_when_the_model_cannot_fit(optimizer):
+    """Issue 45, finding 11: optim=lion was a KeyError here, the check keeping its own table of
+    optimizers; it now reads trainer/optim/elementwise.py's STATE, as the plan does."""
+    cfg = compose([f"optim={optimizer}", "model=tiny", "model.n_embd=1000000"])
+    with pytest.raises(UserError) as err:
+        check_model_fits(cfg, 1, torch.device("cpu"))
+    line = str(err.value)
+    assert "\n" not in line and "parameters need" in line
+    assert re.search(r"fp32 weights, gradients and [A-Z]\w+( and [A-Z]\w+)? state \(parallel=none", line), line
 
 
 @pytest.mark.slow  # loads torch; validate's own refusal of the key is in the quick tier below

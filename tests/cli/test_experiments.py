@@ -44,6 +44,13 @@ def test_shakespeare_cpu_is_what_make_train_runs():
     assert re.search(recipe, makefile, re.M)
 
 
+def test_the_sample_prompt_fits_any_corpus_and_the_shakespeare_presets_keep_theirs():
+    """Issue 45, finding 18: "ROMEO:" began the end-of-run sample of every dataset."""
+    assert compose(["data=text"]).train.sample_prompt == "\n"  # `dtrain sample`'s default too
+    for name in ("shakespeare_cpu", "shakespeare_fast", "finetune_shakespeare"):
+        assert compose([f"experiment={name}"]).train.sample_prompt == "ROMEO:", name
+
+
 def test_command_line_overrides_beat_the_preset():
     cfg = preset("debug", "train.max_steps=3", "model=cpu_small")
     assert cfg.train.max_steps == 3 and cfg.model.name == "cpu_small"

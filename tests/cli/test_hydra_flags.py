@@ -6,15 +6,19 @@ what the run learns, so the same command finds the same folder."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import read_metrics, run_dtrain, tiny_args
+from helpers.dtrain import args_with, read_metrics, run_dtrain, tiny_args
 from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
-from trainer.config.compose import ConfigSource, compose, config_source, default_run_name, hydra_args, sweep_points
+from trainer.cli import main
+from trainer.config.command_line import ConfigSource, config_source, hydra_args, split_args
+from trainer.config.compose import compose, default_run_name, sweep_points
+from trainer.launch.sweep import pin_sweep_dir
 
 PRESET = """\
 # @package _global_
@@ -134,3 +138,85 @@ def test_the_run_name_sees_init_from_as_the_run_records_it(tmp_path, monkeypatch
     absolute = compose([f"model.init_from={tmp_path / 'src'}"], return_hydra_config=True)
     assert default_run_name(relative) == default_run_name(absolute)
     assert OmegaConf.select(relative, "hydra.run.dir") == OmegaConf.select(absolute, "hydra.run.dir")
+
+
+# Issue 45, finding 12: Hydra's flags beside a bad override, or beside one another, were Hydra's
+# ConfigCompositionException or ValueError traceback (exit 1) or its usage page. Each is one line.
+BAD_FLAG_USES = {
+    "--help nosuch.key=1": "nosuch is not a config key",
+    "--hydra-help nosuch.key=1": "nosuch is not a config key",
+    "-m --help nosuch.key=1": "nosuch is not a config key",
+    "--help optim.lr=abc": "optim.lr=abc",
+    "--help model=nosuch": "Could not find 'model/nosuch'",
+    "-m --help optim.lr=1e-3,2e-3": "-m sweeps optim.lr: give each key one value",
+    "--cfg job nosuch.key=1": "nosuch is not a config key",
+    "--cfg nosuch.key=1": "--cfg takes one of job, hydra, all before the overrides; e.g. dtrain train --cfg job",
+    "--info nosuch.key=1": "--info takes one of all, config",
+    "-m --cfg job model=tiny": "-m and --cfg: Hydra does one of",
+    "--info -m": "-m and --info",
+    "--cfg job --info": "--cfg and --info",
+    "-m --resolve": "--resolve",
+}
+
+
+@pytest.mark.parametrize("typed", list(BAD_FLAG_USES))
+def test_hydra_flags_beside_a_bad_override_are_one_line(typed, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *typed.split()])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert BAD_FLAG_USES[typed] in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bare_info_keeps_the_overrides_hydra_sees_after_it(tmp_path):
+    """--config-dir's folder goes first for Hydra: `--info` then stood before an override, which
+    Hydra's argparse took for --info's word."""
+    args = ["--info", "--config-dir", str(tmp_path), "model=tiny"]
+    assert split_args(args) == (["model=tiny"], False)
+    assert hydra_args(args) == [f"--config-dir={tmp_path}", "--info=all", "model=tiny"]
+
+
+def test_help_with_a_bad_override_is_one_line_as_typed(tmp_path):
+    assert_user_error(run_dtrain(["train", "--help", "nosuch.key=1"], cwd=tmp_path), "nosuch is not a config key")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_job_chdir_reads_the_data_of_the_folder_the_command_was_typed_in(data_dir, tmp_path):
+    """Issue 45, finding 15: with hydra.job.chdir=true the job ran inside its run directory and looked
+    for a relative data.dir there, after the run directory was written. Relative paths are taken
+    from the folder the command was typed in, as model.init_from always was."""
+    run_dir = tmp_path / "run"
+    relative = os.path.relpath(data_dir, tmp_path)
+    run_dtrain(args_with(data_dir, run_dir, f"data.dir={relative}", "train.max_steps=2", "hydra.job.chdir=true"),
+               cwd=tmp_path, check=True)
+    assert json.loads((run_dir / "resolved_config.json").read_text())["data"]["dir"] == str(tmp_path / relative)
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
+
+
+def test_the_run_name_under_chdir_sees_data_dir_as_the_run_records_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = compose(["hydra.job.chdir=true", "data.dir=data"], return_hydra_config=True)
+    absolute = compose(["hydra.job.chdir=true", f"data.dir={tmp_path / 'data'}"], return_hydra_config=True)
+    assert OmegaConf.select(relative, "hydra.run.dir") == OmegaConf.select(absolute, "hydra.run.dir")
+
+
+def test_the_default_sweep_dir_is_named_by_the_sweep(tmp_path, monkeypatch):
+    """Issue 45, finding 17: it was multirun/<date>/<time>, so the same -m command started over in
+    another folder, and only an explicit hydra.sweep.dir= continued a sweep."""
+    monkeypatch.chdir(tmp_path)
+
+    def sweep_dir(*overrides: str) -> Path:
+        args, folder = pin_sweep_dir(["-m", "model=tiny", *overrides])
+        assert sum(a.startswith("hydra.sweep.dir=") for a in args) == 1  # what Hydra is told
+        return folder
+
+    lr = sweep_dir("optim.lr=1e-3,3e-3")
+    assert lr.parent == Path("multirun") and lr.name.startswith("optim.lr-")
+    assert sweep_dir("optim.lr=1e-3,3e-3") == lr
+    assert sweep_dir("optim.lr=1e-3,3e-3", "sweep.fail_fast=true") == lr  # how the sweep runs, not what
+    assert sweep_dir("optim.lr=1e-3,1e-2") != lr
+    assert sweep_dir("optim=adamw,muon", "train.seed=0,1").name.startswith("optim_train.seed-")
+    assert sweep_dir("optim.lr=1e-3,3e-3", "hydra.sweep.dir=mine") == Path("mine")
+    assert list(tmp_path.iterdir()) == []

@@ -106,7 +106,7 @@ def test_dtrain_sources_load_bitwise(source_run, tmp_path, kind, pad):
     the checkpoint's exactly (real vocabulary rows; padded rows are re-made where the padding differs)."""
     if kind == "export":
         pytest.importorskip("safetensors")
-        spec = export(source_run, tmp_path / "export")
+        spec, _ = export(source_run, tmp_path / "export")
     else:
         spec = source_run if kind == "run_dir" else latest_checkpoint(source_run)
     trained, _ = model_from_run(source_run)

@@ -26,6 +26,9 @@ def train_args(data_dir: Path, *extra: str) -> list[str]:
     return [a for a in tiny_args(data_dir, Path("unused")) if not a.startswith("hydra.run.dir=")] + list(extra)
 
 
+# The discard port: nothing listens there, so a download fails at once, as offline.
+DEAD_URL = "http://127.0.0.1:9/hellaswag_val.jsonl"
+
 # Each refused before the run directory exists: name -> (overrides, a word the line must hold).
 REFUSED_RUNS = {
     "name too long": (["hydra.run.dir={run}/" + "a" * 300], "255"),
@@ -34,6 +37,11 @@ REFUSED_RUNS = {
     "lr inf": (["hydra.run.dir={run}", "optim.lr=inf"], "optim.lr=inf must be a finite number"),
     "data.dir a file": (["hydra.run.dir={run}", "data.dir={file}"], "is a file"),
     "init_from a file": (["hydra.run.dir={run}", "model.init_from={file}"], "is a file"),
+    # issue 45, finding 15: the run directory and its .hydra/ were made before the worker found out
+    "hellaswag.path missing": (["hydra.run.dir={run}", "eval.hellaswag.interval=2",
+                                "eval.hellaswag.path={run}.jsonl"], "is not a file"),
+    "hellaswag offline": (["hydra.run.dir={run}", "eval.hellaswag.interval=2", f"eval.hellaswag.url={DEAD_URL}"],
+                          "cannot download HellaSwag"),
 }
 
 
@@ -47,6 +55,17 @@ def test_refused_run_writes_nothing(case, data_dir, tmp_path):
     assert needle in line
     assert "dtrain prepare" not in line  # a file in the way is not a dataset to prepare
     assert not run.exists()
+    assert not (data_dir / "hellaswag").exists()  # nor an empty download folder in the data cache
+
+
+def test_a_sweep_with_a_missing_hellaswag_file_writes_nothing(data_dir, tmp_path):
+    """Issue 45, finding 15: each point found it missing in its own folder, after the sweep's was made."""
+    sweep = tmp_path / "sweep"
+    line = error_line(run_dtrain(["train", "-m", *train_args(data_dir)[1:], "optim.lr=1e-3,2e-3",
+                                  "eval.hellaswag.interval=2", f"eval.hellaswag.path={tmp_path / 'hs.jsonl'}",
+                                  f"hydra.sweep.dir={sweep}"]))
+    assert "is not a file" in line
+    assert not sweep.exists()
 
 
 @pytest.mark.parametrize("override", ["optim.lr=nan", "optim.min_lr=-inf", "model.norm_eps=inf", "train.peak_flops=inf",
@@ -212,6 +231,17 @@ def test_resume_of_another_models_checkpoint_writes_nothing(data_dir, trained_ru
     line = error_line(run_dtrain(tiny_args(data_dir, run, "model.n_layer=3", f"resume={trained_run}")))
     assert "written for another model" in line and "n_layer=2 vs 3" in line
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_eval_offline_leaves_no_folder_in_the_data_cache(trained_run, tmp_path):
+    """Issue 45, finding 15: the failed download left an empty hellaswag/ folder behind."""
+    cache = tmp_path / "data"
+    cache.mkdir()
+    line = error_line(run_dtrain(["eval", str(trained_run), f"eval.hellaswag.url={DEAD_URL}", f"data.dir={cache}"]))
+    assert "cannot download HellaSwag" in line
+    assert list(cache.iterdir()) == []
+    assert not (trained_run / "eval_hellaswag.json").exists()
 
 
 @pytest.mark.slow

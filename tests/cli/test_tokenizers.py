@@ -150,7 +150,9 @@ def test_a_qwen3_folder_with_its_own_big_tokenizer_end_to_end(tmp_path):
     run_dtrain(["train", *common, "train.max_steps=3", "train.micro_batch_size=2", "train.seq_len=64",
                 "train.val_tokens=128", "train.sample_tokens=0", f"hydra.run.dir={run_dir}"], env=env, check=True)
     assert read_metrics(run_dir)[-1]["summary"]["steps"] == 3
-    run_dtrain(["export", str(run_dir), f"out={tmp_path / 'hf'}"], env=env, check=True)
+    exported = run_dtrain(["export", str(run_dir), f"out={tmp_path / 'hf'}"], env=env, check=True).stdout
+    # issue 45, finding 18: the line said "the GPT-2 tokenizer" whatever the run's was
+    assert "the run's tokenizer (70,001 ids): tokenizer.json" in exported and "GPT-2" not in exported, exported
     sample = run_dtrain(["sample", str(run_dir), "prompt=Hello there", "tokens=8", "temperature=0", "device=cpu"],
                         env=env, check=True).stdout.rstrip("\n")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

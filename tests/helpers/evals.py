@@ -11,7 +11,7 @@ from pathlib import Path
 
 from helpers.dtrain import corpus_text, dtrain_env, run_dtrain
 from trainer.data.tokenizer import gpt2_encoding
-from trainer.evals.hellaswag import Example
+from trainer.evals.hellaswag_file import Example
 
 GREEDY = ["dtrain_mc", "dtrain_ppl", "dtrain_gen"]  # what the harness's own `hf` model is compared on
 TASKS = [*GREEDY, "dtrain_sampled"]

@@ -209,6 +209,17 @@ def test_every_make_target_named_exists(page):
     assert not named - make_targets(), f"{page.relative_to(REPO)} names make targets that do not exist"
 
 
+@pytest.mark.parametrize("page", [REPO / "README.md", DOCS / "configuration.md"], ids=lambda p: p.name)
+def test_the_group_table_names_every_option_of_every_group(page):
+    """Issue 45, finding 18: configuration.md's table lacked `mix`, `lion` and the `tokenizer` group."""
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", page.read_text(), re.M)}
+    groups = {d.name for d in (REPO / "conf").iterdir() if d.is_dir() and d.name != "hydra"}
+    assert set(rows) == groups, f"{page.name}'s group table: {sorted(rows)}; conf/ has {sorted(groups)}"
+    for group, options in rows.items():
+        missing = [f.stem for f in (REPO / "conf" / group).glob("*.yaml") if f"`{f.stem}`" not in options]
+        assert not missing, f"{page.name}: the `{group}` row lacks {missing}"
+
+
 def test_readme_quick_start_is_the_two_commands_and_fits_its_size():
     readme = (REPO / "README.md").read_text()
     quick = readme[readme.index("## Quick start"):readme.index("## Commands")]

@@ -7,15 +7,17 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import dtrain_env, read_metrics, run_dtrain, sweep_args
+from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, sweep_args
 from helpers.processes import alive, finish, logged, start_dtrain, wait_for
 
 from trainer.io import flock_held
@@ -34,13 +36,14 @@ def output(proc) -> str:
 
 @pytest.mark.slow
 def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir, tmp_path):
-    # The default sweep dir (multirun/${now:...}) under a fresh working directory: the only
-    # folder the sweep may create is that one (workers get the composed config, never compose).
-    proc = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2"), cwd=tmp_path)
+    # The default sweep dir (multirun/<swept keys>-<digest>) under a fresh working directory: the
+    # only folder the sweep may create is that one (workers get the composed config, never compose).
+    args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2")
+    proc = run_dtrain(args, cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
-    (day,) = (tmp_path / "multirun").iterdir()
-    (sweep_dir,) = day.iterdir()
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    assert sweep_dir.name.startswith("optim.lr-")
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
 
     points = summary(sweep_dir)
@@ -62,15 +65,36 @@ def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir,
     out = output(proc)
     assert "optim.lr=0.001" in out and "optim.lr=0.003" in out and "2 points: 2 ok" in out
 
-    # the same command into the same sweep dir: both points finished, nothing is trained again
+    # the same command, typed again (issue 45, finding 17: it made another timestamped folder and
+    # trained every point again): the same sweep dir, both points finished, nothing trained again
     before = {n: (sweep_dir / n / "metrics.jsonl").read_text() for n in ("0", "1")}
-    again = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2",
-                                  f"hydra.sweep.dir={sweep_dir}"), cwd=tmp_path)
+    again = run_dtrain(args, cwd=tmp_path)
     assert again.returncode == 0, output(again)
     assert output(again).count("finished earlier") == 2
+    assert list((tmp_path / "multirun").iterdir()) == [sweep_dir]
     assert {n: (sweep_dir / n / "metrics.jsonl").read_text() for n in ("0", "1")} == before
     assert [p["status"] for p in summary(sweep_dir)] == ["ok", "ok"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+
+    # `make report` finds it (it looked for multirun/*/*/summary.jsonl only)
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    report = make_report(tmp_path)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert f"report multirun/{sweep_dir.name}" in report.stdout
+    assert (sweep_dir / "loss.png").exists()
+
+
+def make_report(cwd: Path) -> subprocess.CompletedProcess:
+    """The Makefile's `report` target, typed in `cwd`, with this checkout's dtrain: its setup
+    prerequisite (the .venv stamp, newer than pyproject.toml) is met by a folder of its own."""
+    (cwd / "pyproject.toml").symlink_to(REPO / "pyproject.toml")
+    venv = cwd / "venv"
+    venv.mkdir()
+    (venv / ".installed-train").touch()
+    env = {**dtrain_env(), "PYTHONPATH": str(REPO)}
+    return subprocess.run(["make", "-s", "-f", str(REPO / "Makefile"), "report", f"VENV={venv}",
+                           f"DTRAIN={sys.executable} -m trainer"], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=300)
 
 
 @pytest.mark.slow
@@ -120,8 +144,6 @@ def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_p
     if not (checkpoints / "step_000003").is_dir():
         pytest.skip("no periodic checkpoints were written (trainer/checkpoint.py not in place)")
     # make it look killed after step 3: the final checkpoint and everything logged later gone
-    import shutil
-
     shutil.rmtree(checkpoints / "step_000006")
     kept = [r for r in read_metrics(point) if r["step"] <= 3]
     (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))

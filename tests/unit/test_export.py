@@ -35,7 +35,7 @@ def test_export_round_trips_to_the_trained_model(trained, tmp_path, capsys):
     run_dir, live = trained
     out = tmp_path / "hf"
     cmd_export([str(run_dir), "--out", str(out)])
-    assert "exported" in capsys.readouterr().out
+    assert "generation_config.json and GPT-2's tokenizer: vocab.json, merges.txt" in capsys.readouterr().out
     tensors = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]

@@ -20,15 +20,8 @@ from trainer.config.schema import HellaswagConfig, to_dict
 from trainer.data.tokenizer import gpt2_encoding
 from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import DataError
-from trainer.evals.hellaswag import (
-    Example,
-    HellaSwagEval,
-    build_batch,
-    encode_example,
-    hellaswag_file,
-    read_examples,
-    score_batch,
-)
+from trainer.evals.hellaswag import HellaSwagEval, build_batch, encode_example, score_batch
+from trainer.evals.hellaswag_file import Example, hellaswag_file, read_examples
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.process.runtime import Runtime

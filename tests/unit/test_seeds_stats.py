@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers.dtrain import read_metrics, run_dtrain, sweep_args
 
-from trainer.config.compose import expand_seeds
+from trainer.config.command_line import expand_seeds
+from trainer.config.keys import identity
 from trainer.errors import UserError
-from trainer.observe.results import identity
 from trainer.observe.stats import INSTALL_HINT, analyse, find_group, group_runs, seed_statistics, summarize, welch
 
 scipy_stats = pytest.importorskip("scipy.stats")

@@ -53,7 +53,8 @@ from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, reque
 from trainer.config.validation import check_ranges
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
-from trainer.evals.hellaswag import HellaSwagEval, hellaswag_file
+from trainer.evals.hellaswag import HellaSwagEval
+from trainer.evals.hellaswag_file import hellaswag_file
 from trainer.io import not_a_folder, write_atomic, write_errors_as_user_errors
 from trainer.launch.workers import run_workers
 from trainer.model.gpt import build_model

@@ -51,9 +51,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "float32",
-           out_label: str | None = None, tokenizer_dir: str | None = None) -> Path:
+           out_label: str | None = None, tokenizer_dir: str | None = None) -> tuple[Path, str]:
     """Write out/model.safetensors, out/config.json and the tokenizer files from a run's checkpoint;
-    returns out.
+    returns out and which tokenizer it holds (for the command's last line).
     `out_label` names the output folder in errors (default: `--out OUT`); `tokenizer_dir`: --tokenizer
     DIR, for a checkpoint without a copy of its tokenizer."""
     safetensors = safetensors_lib("dtrain export")
@@ -90,7 +90,13 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "floa
             write_hf_tokenizer(out, tokenizer_files, mode=mode)
         finally:
             tmp.unlink(missing_ok=True)
-    return out
+    return out, tokenizer_words(tokenizer, tokenizer_files)
+
+
+def tokenizer_words(tokenizer, files: dict[str, str]) -> str:
+    """The exported tokenizer as the command's last line names it: GPT-2's, or the run's own."""
+    whose = "GPT-2's tokenizer" if tokenizer.name == "gpt2" else f"the run's tokenizer ({tokenizer.vocab_size:,} ids)"
+    return f"{whose}: {', '.join(name for name in files if name != 'generation_config.json')}"
 
 
 def check_own_folder(run_dir: Path, out: Path, label: str) -> None:
@@ -132,6 +138,6 @@ def cmd_export(argv: list[str]) -> None:
     run_dir = Path(args.run_dir).expanduser()
     out = args.out or run_dir / "export"
     label = f"--out {out}" if args.out else f"the default output folder {out} (RUN_DIR/export)"
-    export(run_dir, out, args.step, args.dtype, out_label=label, tokenizer_dir=args.tokenizer)
-    print(f"exported {run_dir} -> {out} (model.safetensors, config.json, generation_config.json and the run's "
-          "own tokenizer: a Hugging Face model folder)")
+    _, tokenizer = export(run_dir, out, args.step, args.dtype, out_label=label, tokenizer_dir=args.tokenizer)
+    print(f"exported {run_dir} -> {out}, a Hugging Face model folder: model.safetensors, config.json, "
+          f"generation_config.json and {tokenizer}")

@@ -32,6 +32,7 @@ from typing import Any
 
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.config.args import ArgParser, folder_to_write
+from trainer.config.keys import identity
 from trainer.errors import UserError
 from trainer.io import (
     check_room,
@@ -46,7 +47,6 @@ from trainer.observe.results import (
     STATUS_FILE,
     finite_or_none,
     harness_table,
-    identity,
     labels,
     live_status,
     point_dirs,
@@ -104,8 +104,8 @@ def find_runs(path: Path) -> list[Path]:
         return [path]
     points = point_dirs(path)
     if not points:
-        raise UserError(f"{path} holds no {METRICS_FILE} and no run subfolders; pass a run directory "
-                        "(e.g. outputs/DATE/TIME) or a sweep directory (e.g. multirun/DATE/TIME)")
+        raise UserError(f"{path} holds no {METRICS_FILE} and no run subfolders; pass a run directory (e.g. "
+                        "outputs/tiny-shakespeare-1a2b3c4d) or a sweep directory (e.g. multirun/optim.lr-1a2b3c4d)")
     return points
 
 

@@ -21,21 +21,12 @@ from pathlib import Path
 from omegaconf import open_dict, read_write
 from rich.console import Console
 
-from trainer.config.compose import (
-    anchor_paths,
-    compose,
-    config_source,
-    env_flag,
-    expand_seeds,
-    hydra_job,
-    is_informational,
-    run_hydra_app,
-    split_args,
-    sweep_points,
-)
+from trainer.config.command_line import check_hydra_flags, config_source, expand_seeds, is_informational, split_args
+from trainer.config.compose import anchor_paths, compose, env_flag, hydra_job, run_hydra_app, sweep_points, swept_keys
 from trainer.config.keys import apply_renamed_keys
 from trainer.config.schema import requested_world, to_dict
 from trainer.config.validation import validate
+from trainer.errors import UserError
 from trainer.io import folder_setting, write_errors_as_user_errors
 from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
 from trainer.preflight.claim import check_sweep_point, claim_run
@@ -52,12 +43,12 @@ SECONDARY_RANK_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disab
 def cmd_train(args: list[str]) -> None:
     source = config_source(args)
     with plugin_hint():
+        check_hydra_flags(args)
         overrides, multirun = split_args(args)
         args = expand_seeds(args, multirun)  # sweep.seeds=N: the axis train.seed=0,...,N-1
         overrides, _ = split_args(args)
         if is_informational(args):
-            if not any(a in ("--help", "-h", "--hydra-help") for a in args):
-                compose(overrides, source=source)  # an unknown config or key: one line, not Hydra's page
+            _check_printed_config(overrides, multirun, source)
             run_hydra_app(args, train_job)  # Hydra prints the help, the info or the config; nothing runs
         elif multirun:
             _sweep(args, overrides, source)
@@ -65,12 +56,22 @@ def cmd_train(args: list[str]) -> None:
             _single_run(args, overrides, source)
 
 
+def _check_printed_config(overrides: list[str], multirun: bool, source) -> None:
+    """The config that --help, --cfg or --info prints composes: an unknown config, key or value is
+    one line, not Hydra's page or traceback. Hydra's help composes one config, not a sweep's."""
+    swept = swept_keys(overrides) if multirun else []
+    if swept:
+        raise UserError(f"--help shows one composed config, and -m sweeps {', '.join(swept)}: give each key "
+                        "one value to see it in the help")
+    compose(overrides, source=source)
+
+
 def _single_run(args: list[str], overrides: list[str], source) -> None:
     if is_secondary_rank():
         extra = [f"hydra.run.dir={_scratch_dir()}", *SECONDARY_RANK_OVERRIDES]
         overrides, args = [*overrides, *extra], [*args, *extra]
     cfg = compose(overrides, return_hydra_config=True, source=source)
-    anchor_paths(cfg)
+    anchor_paths(cfg, chdir=cfg.hydra.job.chdir)
     job_cfg = _without_hydra(cfg)
     run_dir = folder_setting("hydra.run.dir", cfg.hydra.run.dir)
     # hydra.main composes again: the folder is pinned, so a `${now:}` in it cannot tick in between
@@ -182,8 +183,7 @@ def _scratch_dir() -> str:
 
 def train_job(cfg) -> float:
     """Hydra's task function: one training run (one point of a sweep). Returns best val loss."""
-    run_dir, sweep_point = hydra_job()
-    anchor_paths(cfg)  # hydra.main composed it again: the same anchoring as the checks
+    run_dir, sweep_point = hydra_job(cfg)  # hydra.main composed it again: anchored as the checks' was
     if sweep_point is not None:  # status file, summary.jsonl, skip finished / resume unfinished
         return run_point(cfg, sweep_point, lambda lock: _train_point(cfg, run_dir, lock))
     return run_training(cfg, run_dir)["best_val_loss"]

@@ -1,5 +1,5 @@
-"""Hydra composition for every command: the overrides of a command line, Hydra's own flags that say
-where configs come from (--config-dir, --config-path, --config-name), the points of a sweep, and the
+"""Hydra composition for every command: the overrides of a command line (trainer/config/command_line.py
+reads Hydra's flags beside them), the points of a sweep, the default run and sweep folders, and the
 composed config, with Hydra's errors turned into one line. Only Hydra's public API (`hydra.compose`,
 `initialize_config_dir`, the override parser): the run itself goes through `hydra.main`, which reads
 the same flags, so what the checks compose is what runs. No torch here: a bad config is reported
@@ -8,7 +8,6 @@ before torch would have finished importing."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import itertools
 import os
@@ -28,103 +27,23 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from trainer.config.command_line import CONFIG_NAME, ConfigSource, config_source, hydra_args
 from trainer.config.dataset_names import HF_NAME_RESOLVER, TEXT_NAME_RESOLVER, hf_dataset_name, text_dataset_name
-from trainer.config.keys import apply_renamed_keys, run_identity
-from trainer.config.schema import CONF_DIR, INIT_FROM_REQUIRED, Config, schema_keys
+from trainer.config.keys import apply_renamed_keys, run_identity, sweep_identity
+from trainer.config.schema import INIT_FROM_REQUIRED, Config, schema_keys
 from trainer.errors import UserError
 
-CONFIG_NAME = "config"
 JOB_NAME = "dtrain"
 _NOTICED: set[str] = set()  # renamed-key notices this process printed (compose)
-# Hydra's own command-line flags, passed through untouched (the rest are key=value overrides).
-HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
-                          "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
-HYDRA_FLAGS = {"--multirun", "-m", "--resolve", "--help", "-h", "--hydra-help", "--version",
-               "--shell-completion", "-sc"}
-# Flags that only print something (help, the config): nothing is checked or run.
-INFORMATIONAL_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c",
-                       "--shell-completion", "-sc")
-
-
-# The resolver of the default run directory (conf/config.yaml: outputs/${dtrain_run_name:}).
+# The resolvers of the default run directory and sweep folder (conf/config.yaml:
+# outputs/${dtrain_run_name:}, multirun/${dtrain_sweep_name:}).
 RUN_NAME_RESOLVER = "dtrain_run_name"
+SWEEP_NAME_RESOLVER = "dtrain_sweep_name"
 
 
-@dataclasses.dataclass(frozen=True)
-class ConfigSource:
-    """Where the configs come from, as Hydra's flags say: the primary config folder (--config-path;
-    dtrain's conf/ by default), the primary config's name (--config-name) and folders searched
-    beside it (--config-dir), each absolute."""
-
-    config_path: Path = CONF_DIR
-    config_name: str = CONFIG_NAME
-    config_dirs: tuple[Path, ...] = ()
-
-    def hydra_flags(self) -> list[str]:
-        """The same source as flags for `hydra.main`, paths absolute (a relative --config-path would
-        be taken relative to dtrain's installed module, not to where the command was typed)."""
-        flags = [f"--config-path={self.config_path}"] if self.config_path != CONF_DIR else []
-        flags += [f"--config-name={self.config_name}"] if self.config_name != CONFIG_NAME else []
-        return flags + [f"--config-dir={d}" for d in self.config_dirs]
-
-
-SOURCE_FLAGS = {"--config-path": "config_path", "-cp": "config_path", "--config-name": "config_name",
-                "-cn": "config_name", "--config-dir": "config_dirs", "-cd": "config_dirs"}
-
-
-def config_source(args: list[str]) -> ConfigSource:
-    """The ConfigSource Hydra's flags among args ask for; a folder that is not there is one line."""
-    found: dict = {"config_dirs": ()}
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag not in SOURCE_FLAGS or (not eq and i + 1 >= len(args)):
-            continue
-        value = value if eq else args[i + 1]
-        field = SOURCE_FLAGS[flag]
-        if field == "config_name":
-            found[field] = value
-            continue
-        folder = Path(value).expanduser().absolute()
-        if not folder.is_dir():
-            raise UserError(f"{flag} {value}: no such folder ({folder}); give a folder of Hydra configs")
-        found[field] = found["config_dirs"] + (folder,) if field == "config_dirs" else folder
-    return ConfigSource(**found)
-
-
-def hydra_args(args: list[str]) -> list[str]:
-    """args with Hydra's source flags replaced by their absolute form (ConfigSource.hydra_flags)."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in SOURCE_FLAGS:
-            skip = True
-        elif arg.partition("=")[0] not in SOURCE_FLAGS:
-            kept.append(arg)
-    return [*config_source(args).hydra_flags(), *kept]
-
-
-def split_args(args: list[str]) -> tuple[list[str], bool]:
-    """The key=value overrides among args, and whether this is a multirun (-m)."""
-    overrides, multirun, skip = [], False, False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in HYDRA_FLAGS_WITH_VALUE:
-            skip = True
-        elif arg.split("=", 1)[0] in HYDRA_FLAGS_WITH_VALUE:
-            pass
-        elif arg in HYDRA_FLAGS:
-            multirun = multirun or arg in ("-m", "--multirun")
-        elif arg.startswith("-"):
-            raise UserError(f"unknown flag {arg!r}; dtrain train takes key=value overrides and Hydra's flags")
-        else:
-            overrides.append(arg)
-    return overrides, multirun
-
-
-def is_informational(args: list[str]) -> bool:
-    return any(a in INFORMATIONAL_FLAGS or a.split("=", 1)[0] in ("--cfg", "-c", "--info") for a in args)
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys a multirun's overrides sweep (`optim.lr=1e-3,3e-3`, `range(...)`, `choice(...)`)."""
+    return [override.get_key_element() for override in parse_overrides(overrides) if override.is_sweep_override()]
 
 
 def hydra_error_text(err: Exception) -> str:
@@ -226,6 +145,8 @@ def register_hydra() -> None:
     ConfigStore.instance().store(name="dtrain_schema", node=Config)
     if not OmegaConf.has_resolver(RUN_NAME_RESOLVER):
         OmegaConf.register_new_resolver(RUN_NAME_RESOLVER, lambda *, _root_: default_run_name(_root_))
+    if not OmegaConf.has_resolver(SWEEP_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(SWEEP_NAME_RESOLVER, lambda *, _root_: default_sweep_name(_root_))
     if not OmegaConf.has_resolver(HF_NAME_RESOLVER):  # conf/data/hf.yaml's data.name
         OmegaConf.register_new_resolver(HF_NAME_RESOLVER, hf_dataset_name)
     if not OmegaConf.has_resolver(TEXT_NAME_RESOLVER):  # conf/data/text.yaml's data.name
@@ -234,15 +155,20 @@ def register_hydra() -> None:
 
 def default_run_name(root: DictConfig) -> str:
     """The run's name from its trajectory keys (keys.py's run_identity), as the run will record
-    them: model.init_from made absolute (anchor_paths), whatever folder the command is typed in."""
-    job = OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]), resolve=True)
-    init_from = job["model"].get("init_from")
-    if init_from and init_from != INIT_FROM_REQUIRED:
-        job["model"]["init_from"] = str(Path(init_from).expanduser().absolute())
-    for section in (job.get("tokenizer"), job.get("data", {}).get("tokenizer")):
-        if isinstance(section, dict) and section.get("path"):
-            section["path"] = str(Path(section["path"]).expanduser().absolute())
-    return run_identity(job)
+    them: its paths anchored (anchor_paths), whatever folder the command is typed in."""
+    job = OmegaConf.create(OmegaConf.to_container(OmegaConf.masked_copy(root, [k for k in root if k != "hydra"]),
+                                                  resolve=True))
+    anchor_paths(job, chdir=bool(OmegaConf.select(root, "hydra.job.chdir", default=False)))
+    return run_identity(OmegaConf.to_container(job))
+
+
+def default_sweep_name(root: DictConfig) -> str:
+    """The sweep's name from its overrides as typed (hydra.overrides.task, where a multirun keeps
+    them with their sweep values: trainer/launch/sweep.py's pin_sweep_dir resolves the folder so)
+    and the primary config's name (keys.py's sweep_identity)."""
+    task = [str(o) for o in OmegaConf.select(root, "hydra.overrides.task", default=None) or []]
+    config_name = OmegaConf.select(root, "hydra.job.config_name", default=None) or CONFIG_NAME
+    return sweep_identity(task, swept_keys(task), config_name)
 
 
 def compose(overrides: list[str], return_hydra_config: bool = False,
@@ -283,29 +209,44 @@ def _with_search_path(overrides: list[str], source: ConfigSource) -> list[str]:
     return [o for o in overrides if o not in given] + [f"hydra.searchpath=[{listed}]"]
 
 
-def anchor_paths(cfg: DictConfig) -> None:
-    """model.init_from made absolute where the command was typed: the run records it so, the same
-    command from another folder is the same run, and workers that start elsewhere read the same source."""
-    # a recipe's REQUIRED sentinel is left as it is, for validation's error line
-    if cfg.model.init_from and cfg.model.init_from != INIT_FROM_REQUIRED:
-        cfg.model.init_from = str(Path(cfg.model.init_from).expanduser().absolute())
-    for key in ("path", "checkpoint"):  # tokenizer=hf tokenizer.path=DIR (or tokenizer.checkpoint=CKPT), likewise
-        if OmegaConf.select(cfg, f"tokenizer.{key}", default=None):
-            cfg.tokenizer[key] = str(Path(cfg.tokenizer[key]).expanduser().absolute())
+# Paths the job itself reads, anchored too when hydra.job.chdir=true runs it inside its run
+# directory (without it they are read from the folder the command was typed in, and kept as typed:
+# data.dir and data.source name the run's folder, and the runs before recorded them so).
+CHDIR_PATHS = ("data.dir", "data.source", "eval.hellaswag.path", "resume")
 
 
-def sweep_points(overrides: list[str]) -> list[list[str]]:
-    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists), in the
-    order Hydra's basic sweeper runs them (the last override varies fastest)."""
+def anchor_paths(cfg: DictConfig, launch_dir: Path | None = None, chdir: bool = False) -> None:
+    """model.init_from and tokenizer.path (and .checkpoint) made absolute against the folder the command was typed in
+    (`launch_dir`; the current folder by default): the run records them so, the same command from
+    another folder is the same run, and workers that start elsewhere read the same source. With
+    `chdir` (hydra.job.chdir=true) CHDIR_PATHS as well, which the job would otherwise look up in
+    its run directory. URLs and resume=auto/never stay as they are."""
+    base = launch_dir or Path.cwd()
+    # what is not a path: a recipe's REQUIRED sentinel (left for validation's error line), resume's words
+    not_paths = {"model.init_from": (INIT_FROM_REQUIRED,), "resume": ("auto", "never")}
+    for key in ("model.init_from", "tokenizer.path", "tokenizer.checkpoint", "data.tokenizer.path",
+                *(CHDIR_PATHS if chdir else ())):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value and value not in not_paths.get(key, ()) and "://" not in str(value):
+            OmegaConf.update(cfg, key, str(base / Path(str(value)).expanduser()), merge=False)
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parsed overrides; a syntax error is one line."""
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        return OverridesParser.create().parse_overrides(overrides)
     except Exception as err:
         unquoted = unquoted_non_ascii(overrides)
         if isinstance(err, OverrideParseException) and unquoted:
             raise quote_hint(unquoted) from None
         raise UserError(f"bad override: {hydra_error_text(err)}") from None
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Every point of a multirun's basic sweep (`a=1,2 b=x,y` -> four override lists), in the
+    order Hydra's basic sweeper runs them (the last override varies fastest)."""
     axes: dict[str, list[str]] = {}  # a key given twice keeps its place and takes the last value, as Hydra's
-    for override in parsed:
+    for override in parse_overrides(overrides):
         key = override.get_key_element()
         if override.is_sweep_override() and not override.is_discrete_sweep():
             raise UserError(f"{key}: a {override.value_type.name} sweep needs a sweeper plugin "
@@ -314,29 +255,6 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
                   else [override.get_value_element_as_str()])
         axes[key] = [f"{key}={value}" for value in values]
     return [list(point) for point in itertools.product(*axes.values())]
-
-
-SEEDS_KEY = "sweep.seeds"
-
-
-def expand_seeds(args: list[str], multirun: bool) -> list[str]:
-    """`sweep.seeds=N` as the axis it stands for, `train.seed=0,...,N-1`, in its place (the seeds
-    of one recipe are then consecutive points, and a re-run of the command finds the same points).
-    Refused in one line outside a sweep, beside another train.seed, or not a whole number >= 1."""
-    given = [a for a in args if a.partition("=")[0].lstrip("+") == SEEDS_KEY]
-    if not given:
-        return args
-    value = given[-1].partition("=")[2]
-    if not multirun:
-        raise UserError(f"{given[-1]} makes a sweep of seeds: add -m (dtrain train -m {given[-1]} ...)")
-    if any(a.partition("=")[0].lstrip("+~") == "train.seed" for a in args):
-        raise UserError(f"{given[-1]} and train.seed= both set the seed: give one of them")
-    if not value.isdigit() or int(value) < 1:
-        raise UserError(f"{SEEDS_KEY}={value} must be a whole number of seeds, at least 1 (e.g. {SEEDS_KEY}=3)")
-    at = args.index(given[0])
-    rest = [a for a in args if a not in given]
-    axis = "train.seed=" + ",".join(str(seed) for seed in range(int(value)))
-    return [*rest[:at], axis, *rest[at:]]
 
 
 @contextlib.contextmanager
@@ -369,8 +287,11 @@ def run_hydra_app(args: list[str], task: Callable[[DictConfig], object]) -> None
         sys.argv = typed
 
 
-def hydra_job() -> tuple[Path, DictConfig | None]:
+def hydra_job(cfg: DictConfig) -> tuple[Path, DictConfig | None]:
     """Inside run_hydra_app's task: the job's output folder, and Hydra's config when the job is one
-    point of a sweep (None for a single run)."""
+    point of a sweep (None for a single run). `cfg`, hydra.main's composition, gets its paths
+    anchored as the checks' were, in the folder the command was typed in (Hydra's runtime.cwd:
+    hydra.job.chdir=true has moved this process into the output folder by now)."""
     hydra_cfg = HydraConfig.get()
+    anchor_paths(cfg, Path(hydra_cfg.runtime.cwd), chdir=hydra_cfg.job.chdir)
     return Path(hydra_cfg.runtime.output_dir), hydra_cfg if hydra_cfg.mode == RunMode.MULTIRUN else None

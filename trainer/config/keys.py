@@ -123,6 +123,26 @@ def is_operational(key: str) -> bool:
     return key_kind(key) == "operational"
 
 
+# A sweep's overrides that steer the sweep itself (or Hydra) and do not change what a point trains.
+NOT_IDENTITY = ("sweep.", "hydra.", "hydra/")
+
+
+def identity(overrides: list[str]) -> list[str]:
+    """The overrides that decide what a run trains (sweep.* and hydra settings excluded)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY)]
+
+
+def sweep_identity(overrides: list[str], swept: list[str], config_name: str) -> str:
+    """The default sweep folder's name for a sweep's overrides as typed (`optim.lr=1e-3,3e-3 ...`):
+    `<the swept keys>-<digest>`, the digest over the primary config's name and the overrides that
+    decide what the points train, which the sweep's points are also checked against when it runs
+    again (trainer/launch/sweep.py). The same `-m` command, run again, finds the same folder and
+    skips the points that finished; another sweep gets another folder."""
+    digest = hashlib.sha256(json.dumps([config_name, identity(overrides)]).encode()).hexdigest()[:8]
+    keys = "_".join(dict.fromkeys(key.lstrip("+~") for key in swept))
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in (keys, digest) if p)
+
+
 def run_identity(config: dict) -> str:
     """The default run directory's name for a resolved config (plain data, no hydra section):
     `<model>-<data>-<digest>`, the digest over the trajectory keys. The same command, run again,

@@ -222,7 +222,9 @@ class TrainConfig:
     # (H100, 2026-11-26): 4 pieces took 29% less memory and 6% more time for gpt2_124m at 32 x 1024.
     loss_chunks: int = 1
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
-    sample_prompt: str = "ROMEO:"
+    # what they continue: a newline fits any corpus, as `dtrain sample`'s default (the Shakespeare
+    # presets ask for "ROMEO:")
+    sample_prompt: str = "\n"
     # Rank 0 on a terminal: a live progress bar. false, or no terminal (a pipe, a file, nohup, Slurm):
     # one plain line per log_interval steps on stdout. dtrain.log gets those lines either way.
     progress: bool = True

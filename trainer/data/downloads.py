@@ -6,6 +6,7 @@ file where a later run would take it for a complete one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
@@ -27,7 +28,18 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = D
     """Fetch ``url`` to ``dest`` (atomic; reused when present and matching ``sha256``)."""
     if dest.exists() and (not sha256 or sha256_file(dest) == sha256):
         return dest
+    made = [folder for folder in (dest.parent, *dest.parent.parents) if not folder.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _fetch(url, dest, sha256, timeout)
+    except BaseException:
+        for folder in made:  # a failed download leaves no empty cache folder behind (innermost first)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _fetch(url: str, dest: Path, sha256: str | None, timeout: float) -> Path:
     # Streamed to a temporary file and hashed on the way, so a large file is never held in memory.
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     try:

@@ -1,7 +1,7 @@
 """HellaSwag: 4-way multiple choice, scored by the model's loss on each ending, sharded by rank.
 
-The file is HellaSwag's public jsonl: one object per line with ``ctx`` (the context), ``endings``
-(4 candidate continuations) and ``label`` (the index of the right one). Scoring follows the
+The file (trainer/evals/hellaswag_file.py) is HellaSwag's public jsonl: a context, four endings and
+the label of the right one. Scoring follows the
 reference (build-nanogpt's hellaswag.py): each ending is tokenized with a leading space and
 appended to the context; the model's per-token cross entropy over the ending tokens only gives
 three figures, each under a name that says what it is:
@@ -21,33 +21,16 @@ counts are summed over ranks.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 
-from trainer.data.downloads import download
 from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, DataError
-from trainer.io import one_line, sha256_file, write_atomic
-
-N_ENDINGS = 4
-FIELDS = ("ctx", "endings", "label")
-DEFAULT_FILE_NAME = "hellaswag_val.jsonl"
-
-
-@dataclass(frozen=True)
-class Example:
-    ctx: str
-    endings: tuple[str, ...]
-    label: int
+from trainer.evals.hellaswag_file import N_ENDINGS, Example, hellaswag_file, read_examples
 
 
 @dataclass(frozen=True)
@@ -56,132 +39,6 @@ class EncodedExample:
     endings: list[list[int]]  # each ending's tokens, encoded with its leading space
     label: int
     ending_chars: tuple[int, ...] = ()  # each ending's length in characters (acc_norm's divisor)
-
-
-# --------------------------------------------------------------------------------- the file
-
-
-def _parse_row(row, where: str) -> Example:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object with {', '.join(FIELDS)}, got {type(row).__name__}")
-    missing = [k for k in FIELDS if k not in row]
-    if missing:
-        raise DataError(
-            f"{where}: missing field {', '.join(repr(k) for k in missing)} (a HellaSwag line needs "
-            f"{', '.join(FIELDS)}); fix the file or point eval.hellaswag.path at another"
-        )
-    ctx, endings, label = row["ctx"], row["endings"], row["label"]
-    if not isinstance(ctx, str):
-        raise DataError(f"{where}: field 'ctx' must be a string, got {type(ctx).__name__}")
-    if not (isinstance(endings, list) and len(endings) == N_ENDINGS
-            and all(isinstance(e, str) for e in endings)):
-        raise DataError(f"{where}: field 'endings' must be a list of {N_ENDINGS} strings")
-    if isinstance(label, str) and label.strip().isdigit():
-        label = int(label)  # some HellaSwag exports store the label as a string
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
-        raise DataError(f"{where}: field 'label' must be an integer in 0..{N_ENDINGS - 1}, got {label!r}")
-    return Example(ctx, tuple(endings), label)
-
-
-def read_examples(path: str | Path, limit: int | None = None) -> list[Example]:
-    """The examples of a HellaSwag jsonl file, in file order (the first ``limit`` when given).
-
-    A line that is not valid JSON or lacks a field raises DataError naming the file and line.
-    """
-    path = Path(path)
-    examples: list[Example] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(examples) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                where = f"{path} line {lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix the file or point "
-                        "eval.hellaswag.path at another"
-                    ) from None
-                examples.append(_parse_row(row, where))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise DataError(f"cannot read {path} ({one_line(e.strerror or e)}); fix eval.hellaswag.path") \
-            from None
-    if not examples:
-        raise DataError(f"{path} holds no HellaSwag examples; point eval.hellaswag.path at a jsonl file")
-    return examples
-
-
-def cache_path(hs_cfg, data_dir: str) -> Path:
-    """Where the download is cached: <data.dir>/hellaswag/<file name of the URL>."""
-    name = Path(urlparse(hs_cfg.url).path).name or DEFAULT_FILE_NAME
-    return Path(os.path.expanduser(str(data_dir))) / "hellaswag" / name
-
-
-def hellaswag_file(hs_cfg, data_dir: str) -> Path:
-    """The local HellaSwag file: eval.hellaswag.path, or the URL's download cached under data_dir.
-
-    With eval.hellaswag.sha256 set, the file must match it. Without, the first download's sha256 is
-    recorded beside the cached copy (``<file>.sha256``) and later runs check the copy against it
-    (a corrupt or stale copy is fetched again).
-    """
-    expected = hs_cfg.sha256
-    if hs_cfg.path:
-        path = Path(os.path.expanduser(str(hs_cfg.path))).absolute()
-        if not path.is_file():
-            raise DataError(
-                f"eval.hellaswag.path={hs_cfg.path} is not a file; point it at a HellaSwag jsonl file or "
-                f"drop it to download {hs_cfg.url}"
-            )
-        if expected:
-            digest = sha256_file(path)
-            if digest != expected:
-                raise DataError(
-                    f"{path} has sha256 {digest}, expected eval.hellaswag.sha256={expected}; fix the "
-                    "file or eval.hellaswag.sha256"
-                )
-        return path
-    return fetch(hs_cfg.url, cache_path(hs_cfg, data_dir), expected)
-
-
-def fetch(url: str, dest: Path, sha256: str | None = None) -> Path:
-    """Download url to dest unless a verified copy is there; record its sha256 in dest.sha256."""
-    record = dest.with_name(dest.name + ".sha256")
-    if dest.exists():
-        recorded = record.read_text().split()[0] if record.exists() else None
-        want = sha256 or recorded
-        digest = sha256_file(dest)
-        if want is None or digest == want:
-            if recorded != digest:
-                write_atomic(record, f"{digest}  {dest.name}\n")
-            return dest
-        dest.unlink(missing_ok=True)  # a stale or corrupt copy: fetch it again
-    try:
-        download(url, dest, None)
-    except DataError as e:
-        cause = e.__cause__
-        reason = one_line(getattr(cause, "reason", cause) if cause is not None else e)
-        raise DataError(
-            f"cannot download HellaSwag from {url} ({reason}); check network access, or download it "
-            "yourself and set eval.hellaswag.path=<local jsonl file>"
-        ) from None
-    digest = sha256_file(dest)
-    if sha256 and digest != sha256:
-        dest.unlink(missing_ok=True)
-        raise DataError(
-            f"{url} downloaded with sha256 {digest}, expected eval.hellaswag.sha256={sha256}; fix "
-            "eval.hellaswag.sha256 (or set it to null) or set eval.hellaswag.path=<local file>"
-        )
-    write_atomic(record, f"{digest}  {dest.name}\n")
-    if not sha256:
-        Console(stderr=True).print(
-            f"downloaded {url} to {dest} (sha256 {digest}, recorded in {record.name}; set "
-            "eval.hellaswag.sha256 to pin it)", highlight=False, soft_wrap=True)
-    return dest
 
 
 # ------------------------------------------------------------------------------------ scoring

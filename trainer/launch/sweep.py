@@ -5,9 +5,10 @@ Each point of a sweep is a full run (distributed when world > 1) in Hydra's swee
 `<sweep dir>/<job num>/`. Around every point, `run_point` writes `<point>/status.json`
 (running -> ok | failed | skipped) and rebuilds `<sweep dir>/summary.jsonl` from the status
 files, so a sweep that is killed still has a summary of the points it finished. Running the same
-sweep command with the same `hydra.sweep.dir=` again skips the points that finished (their
-metrics.jsonl ends with the run's `summary` record) and runs the others again: from their newest
-checkpoint when they have one (resume=auto), from the start when they have none.
+sweep command again (into the same folder: by default one named by its overrides, keys.py's
+sweep_identity) skips the points that finished (their metrics.jsonl ends with the run's `summary`
+record) and runs the others again: from their newest checkpoint when they have one (resume=auto),
+from the start when they have none.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
-from trainer.config.compose import OneLineJobError, compose, config_source, split_args, sweep_points
+from trainer.config.command_line import config_source, split_args
+from trainer.config.compose import OneLineJobError, compose, sweep_points
+from trainer.config.keys import identity
 from trainer.errors import Stopped, UserError
 from trainer.io import check_writable_dir, folder_setting, write_atomic
 from trainer.observe.metrics import METRICS_FILE, TENSORBOARD_DIR
@@ -35,7 +38,6 @@ from trainer.observe.results import (
     STATUS_FILE,
     STATUS_STYLE,
     finite_or_none,
-    identity,
     live_status,
     point_dirs,
     read_overrides,
@@ -271,23 +273,28 @@ def finish_sweep(sweep_dir: Path, console: Console | None = None) -> list[dict[s
 
 
 def pin_sweep_dir(args: list[str]) -> tuple[list[str], Path | None]:
-    """Resolve the sweep dir once in the driver (its `${now:}` included) and pass it to Hydra
-    explicitly, so this process knows where the points go; refuse a sweep dir that holds another
-    sweep's points. Returns the arguments for Hydra and the sweep dir."""
+    """Resolve the sweep dir once in the driver (by default named by the sweep's overrides; a
+    `${now:}` of the user's included) and pass it to Hydra explicitly, so this process knows where
+    the points go; refuse a sweep dir that holds another sweep's points. Returns the arguments for
+    Hydra and the sweep dir (None under plain torchrun, where every rank runs this: each pins the
+    same folder, and rank 0's worker writes there)."""
     overrides, multirun = split_args(args)
-    printing = any(a in ("--cfg", "-c") or a.startswith("--cfg=") for a in args)
-    if not multirun or printing or under_torchrun():
+    if not multirun:
         return args, None
     points = sweep_points(overrides)
     cfg = compose(points[0] if points else [], return_hydra_config=True, source=config_source(args))
+    with open_dict(cfg):  # the sweep's overrides, as Hydra's multirun keeps them: they name its folder
+        cfg.hydra.overrides.task = overrides
     folder_setting("hydra.sweep.dir", cfg.hydra.sweep.dir)  # not empty, no name too long
     sweep_dir = Path(str(cfg.hydra.sweep.dir))
-    check_writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}", "choose another hydra.sweep.dir=")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
         value = str(sweep_dir).replace("'", "\\'")
         # beside the other overrides: Hydra's argparse takes them as one run of positionals
         at = args.index(overrides[0]) if overrides else 0
         args = [*args[:at], f"hydra.sweep.dir='{value}'", *args[at:]]
+    if under_torchrun():
+        return args, None
+    check_writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}", "choose another hydra.sweep.dir=")
     raw = OmegaConf.to_container(cfg.hydra, resolve=False)
     basic = raw.get("sweeper", {}).get("_target_", "").endswith("BasicSweeper")
     if basic and raw.get("sweep", {}).get("subdir") == "${hydra.job.num}":

@@ -13,21 +13,13 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from trainer.config.keys import NOT_IDENTITY
 from trainer.errors import UserError
 from trainer.io import flock_held
 from trainer.observe.metrics import METRICS_FILE, read_metrics
 
 STATUS_FILE = "status.json"
 HARNESS_FILE = "eval_harness.json"
-# Overrides that steer the sweep itself (or Hydra) and do not change what a point trains.
-NOT_IDENTITY = ("sweep.", "hydra.", "hydra/")
-
-
-def identity(overrides: list[str]) -> list[str]:
-    """The overrides that decide what a run trains (sweep.* and hydra settings excluded)."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY)]
-
-
 def finite_or_none(value: Any) -> float | None:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)

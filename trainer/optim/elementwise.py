@@ -21,16 +21,18 @@ from trainer.optim.muon import BatchedMuon
 
 @dataclass(frozen=True)
 class State:
-    """What an optimizer keeps per parameter: tensors shaped like it, and 0-d scalars (a step count)."""
+    """What an optimizer keeps per parameter: tensors shaped like it, and 0-d scalars (a step count);
+    `name`: the optimizer as a message names it."""
 
+    name: str
     tensors: tuple[str, ...]
     scalars: tuple[str, ...] = ()
 
 
 STATE: dict[type, State] = {
-    torch.optim.AdamW: State(tensors=("exp_avg", "exp_avg_sq"), scalars=("step",)),
-    Lion: State(tensors=("exp_avg",)),
-    BatchedMuon: State(tensors=("momentum_buffer",)),
+    torch.optim.AdamW: State("AdamW", tensors=("exp_avg", "exp_avg_sq"), scalars=("step",)),
+    Lion: State("Lion", tensors=("exp_avg",)),
+    BatchedMuon: State("Muon", tensors=("momentum_buffer",)),
 }
 
 
@@ -83,3 +85,10 @@ ELEMENTWISE = {
 def elementwise_of(optim_cfg) -> Elementwise:
     """The elementwise optimizer of `optim.name` (optim=muon's non-matrix part is AdamW's)."""
     return ELEMENTWISE["adamw" if optim_cfg.name == "muon" else optim_cfg.name]
+
+
+def states_of(optim_cfg) -> tuple[State, ...]:
+    """The state each optimizer of `optim.name` keeps (optim=muon: Muon's for the hidden matrices,
+    then AdamW's for the rest): what the memory check and the plan count, from this one table."""
+    elementwise = STATE[elementwise_of(optim_cfg).optimizer_class]
+    return (STATE[BatchedMuon], elementwise) if optim_cfg.name == "muon" else (elementwise,)

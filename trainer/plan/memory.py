@@ -63,7 +63,7 @@ from trainer.errors import UserError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.optim.build import param_groups, split_params
-from trainer.optim.elementwise import elementwise_of
+from trainer.optim.elementwise import elementwise_of, states_of
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
 
@@ -111,8 +111,7 @@ def model_state_floor(cfg, strategy: type[Strategy], world: int) -> int:
     No model is built, not even on the meta device, whose first build imports torch._dynamo (a
     second more at every run's start), and a model too large to build is answered too."""
     count = parameter_count(cfg.model)
-    tensors = len(elementwise_of(cfg.optim).state.tensors)
-    optim_per_param = 4 * (min(tensors, 1) if cfg.optim.name == "muon" else tensors)  # Muon keeps one buffer
+    optim_per_param = 4 * min(len(state.tensors) for state in states_of(cfg.optim))
     weights_and_grads = 2 * 4 * (math.ceil(count / world) if strategy.shards_parameters else count)
     shards_state = strategy.shards_parameters or strategy.shards_optimizer_state
     return weights_and_grads + optim_per_param * (math.ceil(count / world) if shards_state else count)

@@ -21,6 +21,7 @@ from trainer.data.prepare import check_prepared_source, check_source, is_prepare
 from trainer.data.shards import open_split
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import DataError
+from trainer.evals.hellaswag_file import check_hellaswag_file
 from trainer.observe.metrics import require_tracker
 from trainer.preflight.continuation import check_continuation, check_same_data
 from trainer.preflight.run_tokenizer import Pin, unpinned
@@ -29,7 +30,8 @@ from trainer.process.env import restart_count
 
 
 def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) -> RunDirState:
-    """Validate the config, the run directory, the data, the tokenizer and the trackers' packages;
+    """Validate the config, the run directory, the data, the tokenizer, HellaSwag's file and the
+    trackers' packages;
     returns what the run directory holds for this run (new, to continue, or finished). `lock`, the
     run directory's, also holds the dataset folder against a re-prepare for the run's life."""
     validate(cfg)
@@ -47,6 +49,7 @@ def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) ->
     if state is not RunDirState.FINISHED:
         check_space_at_start(run_dir, cfg.checkpoint.keep)
     load_tokenizer(cfg.tokenizer)  # readable (GPT-2's fetched once) before the run directory exists
+    check_hellaswag_file(cfg)  # HellaSwag during training: its file there (or fetched) first
     for name in tracker_names(cfg.logger):
         require_tracker(name)
     for note in notes:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from trainer.config.schema import requested_world
 from trainer.config.validation import validate
+from trainer.evals.hellaswag_file import check_hellaswag_file
 from trainer.preflight.checks import check_data, check_run, record_config, say_notice
 from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState
@@ -48,10 +49,12 @@ def claim_run(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
 
 def check_sweep_point(cfg) -> None:
     """A sweep's point, checked before the sweep folder is made: its config, its data (without
-    preparing it) and the checks that need torch, all but those of its run directory."""
+    preparing it), a HellaSwag file it names and the checks that need torch, all but those of its
+    run directory."""
     validate(cfg)
     world = requested_world(cfg)
     check_data(cfg, world, prepare_now=False)
+    check_hellaswag_file(cfg, download_now=False)
     _check_with_torch(cfg, world, None)
 
 
