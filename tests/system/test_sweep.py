@@ -91,9 +91,11 @@ def make_report(cwd: Path) -> subprocess.CompletedProcess:
     venv = cwd / "venv"
     venv.mkdir()
     (venv / ".installed-train").touch()
-    env = {**dtrain_env(), "PYTHONPATH": str(REPO)}
+    # the make that runs these tests (make test-all ARGS=...) passes its variables down: not to this one
+    env = {key: value for key, value in dtrain_env().items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env["PYTHONPATH"] = str(REPO)
     return subprocess.run(["make", "-s", "-f", str(REPO / "Makefile"), "report", f"VENV={venv}",
-                           f"DTRAIN={sys.executable} -m trainer"], cwd=cwd, capture_output=True, text=True,
+                           f"DTRAIN={sys.executable} -m trainer", "ARGS="], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=300)
 
 

@@ -186,12 +186,7 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
     except OmegaConfBaseException as err:
         message = " ".join(str(err).split()[:40])
         raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
-    weights = eval_weights_path(run_dir, ckpt)
-    # the checkpoint's own tokenizer (its copy, checked against its record), read by every worker
-    tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, tokenizer_dir)
-    for section in (cfg.tokenizer, cfg.data.tokenizer):
-        section.name, section.path, section.checkpoint = tokenizer.name, tokenizer.path, None
-    check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0
+    check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0: before any file is looked for
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
         raise ConfigError(f"parallel={mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
@@ -199,6 +194,11 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
         raise ConfigError(f"parallel={mode} runs in one process; use parallel=none or ddp with world={world}")
     if world < 1 or world % cfg.launch.nnodes:
         raise ConfigError(f"world={world} must be a positive multiple of launch.nnodes={cfg.launch.nnodes}")
+    weights = eval_weights_path(run_dir, ckpt)
+    # the checkpoint's own tokenizer (its copy, checked against its record), read by every worker
+    tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, tokenizer_dir)
+    for section in (cfg.tokenizer, cfg.data.tokenizer):
+        section.name, section.path, section.checkpoint = tokenizer.name, tokenizer.path, None
     return run_dir, cfg, weights
 
 

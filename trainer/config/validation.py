@@ -246,10 +246,6 @@ def validate(cfg: DictConfig) -> None:
     if t.loss_chunks > t.seq_len:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
-    if 0 < t.val_tokens < t.seq_len:
-        raise ConfigError(f"train.val_tokens={t.val_tokens} is less than one sequence of train.seq_len={t.seq_len}: "
-                          f"validation scores whole sequences; set train.val_tokens={t.seq_len} or more "
-                          "(or 0 for no validation)")
     check_block(m)
     check_model_size(m)
     check_dataset_name(cfg.data)
@@ -263,6 +259,10 @@ def validate(cfg: DictConfig) -> None:
         fix = (f"the positions of model.init_from={m.init_from} end there, so lower train.seq_len" if m.init_from
                else "lower train.seq_len or raise model.block_size")
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.block_size={m.block_size}; {fix}")
+    if 0 < t.val_tokens < t.seq_len:
+        raise ConfigError(f"train.val_tokens={t.val_tokens} is less than one sequence of train.seq_len={t.seq_len}: "
+                          f"validation scores whole sequences; set train.val_tokens={t.seq_len} or more "
+                          "(or 0 for no validation)")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}] (0: cosine to zero)")
     if o.schedule not in SCHEDULES:
