@@ -1,10 +1,10 @@
 """The `dtrain prepare ...` line a message prints to (re)build a dataset, runnable as printed.
 
 Its source is the config's, or, when the config names none (data.name alone), the one that data.name
-was prepared from with any tokenizer (trainer/data/origin.py), so that a hint of a dataset prepared
-once carries the data.source it needs. Where nothing says what the text is (a data.name never
-prepared, without data.source), the hint says that data.source is needed instead of printing a
-command that would fail.
+was prepared from with any tokenizer (trainer/data/origin.py): data.name alone then prepares from
+that record, so the hint does not repeat a data.source the user did not type. Where nothing says
+what the text is (a data.name never prepared, without data.source), the hint says that data.source
+is needed instead of printing a command that would fail.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ HF_DEFAULTS = {"hf_name": None, "hf_split": "train", "text_field": DEFAULT_TEXT_
 def prepare_command(cfg: DictConfig, force: bool = False) -> str:
     """The ``dtrain prepare ...`` line that (re)builds this dataset, for messages: its source is the
     config's, or when the config names none the one its data.name was prepared from (with any
-    tokenizer). Runs as printed where prepare_hint says `run`."""
+    tokenizer). Runs as printed where prepare_hint says `run`. A data.source that only the record
+    gives is not repeated: data.name alone prepares from it (origin.with_recorded_source)."""
+    typed_source = cfg.get("source")
     cfg = with_recorded_source(cfg)
     parts = ["dtrain", "prepare"]
     if cfg.name in DATASETS and cfg.name != TEXT_UNNAMED:
@@ -46,9 +48,9 @@ def prepare_command(cfg: DictConfig, force: bool = False) -> str:
             parts.append(f"data.name={cfg.name}")
     else:  # data=text: its name unless its source derives it
         parts.append("data=text")
-        if cfg.name != text_dataset_name(cfg.source):
+        if not typed_source or cfg.name != text_dataset_name(cfg.source):
             parts.append(f"data.name={cfg.name}")
-    if cfg.source:
+    if typed_source:
         parts.append(f"data.source={cfg.source}")
     data_dir = Path(os.path.expanduser(str(cfg.dir)))
     if data_dir.resolve() != default_data_dir().resolve():
