@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import shutil
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from trainer.checkpoint.resume_notes import ran_with, resume_notes
 from trainer.checkpoint.rng import rng_state, set_rng_state
 from trainer.checkpoint.selection import check_explicit, choose_own
 from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
+from trainer.checkpoint.trainer_state import restore_counters, state_record
 from trainer.config.schema import to_dict
 from trainer.data.identity import recorded_identity
 from trainer.data.tokenizers import load_tokenizer
@@ -47,10 +46,6 @@ from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 from trainer.process.env import restart_count
 from trainer.process.joblog import say
-
-
-def _json_float(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 class Checkpointer:
@@ -153,14 +148,7 @@ class Checkpointer:
         strategy.load_optimizer_state_dict(model, optimizer, template["optim"])
 
         state = run.state
-        state.step, state.tokens = int(saved["step"]), int(saved["tokens"])
-        best, last = saved.get("best_val_loss"), saved.get("last_loss")
-        state.best_val_loss = math.inf if best is None else float(best)
-        state.last_loss = math.nan if last is None else float(last)
-        state.train_s, state.target = float(saved.get("train_s", 0.0)), saved.get("target")  # trainer/train/target.py
-        state.excluded_s = dict(saved.get("excluded_s") or {})
-        # a checkpoint saved before wall_s was kept: its seconds were train_s plus excluded_s all the same
-        state.wall_s = float(saved.get("wall_s", state.train_s + math.fsum(state.excluded_s.values())))
+        restore_counters(state, saved)
         rank = self.rt.rank
         loaders, rngs = saved["loaders"], saved["rng"]
         # The data position is the same on every rank (world-independent); RNG streams start
@@ -248,21 +236,8 @@ class Checkpointer:
         self.rt.agree(problem, CheckpointError)
         record = None
         if self.rt.is_main:
-            s = run.state
-            record = {
-                "format": FORMAT_VERSION,
-                "step": s.step,
-                "tokens": s.tokens,
-                "best_val_loss": _json_float(s.best_val_loss),
-                "last_loss": _json_float(s.last_loss),
-                "train_s": s.train_s, "excluded_s": s.excluded_s, "wall_s": s.wall_s,  # over every session
-                "target": s.target,
-                **ran_with(self.cfg, self.rt, run.plan, torch.get_num_threads()),  # world, batch, threads...
-                **self.identity,  # "data" and "tokenizer"
-                "time": time.time(),
-                "loaders": [g["loader"] for g in gathered],
-                "rng": [g["rng"] for g in gathered],
-            }
+            record = state_record(run.state, ran_with(self.cfg, self.rt, run.plan, torch.get_num_threads()),
+                                  self.identity, [g["loader"] for g in gathered], [g["rng"] for g in gathered])
         if self.async_save:
             try:
                 future = dcp().async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
