@@ -43,7 +43,7 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 	$(COMPAT_VENV)/bin/python -m pip install --quiet -e '.[export]' 'pytest>=8'
 	touch $@
 
-train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, ~4 min on 2 cores)
+train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, ~3.5 min on 2 cores)
 	$(DTRAIN) train experiment=shakespeare_cpu $(ARGS)
 
 sweep: setup ## a two-point learning-rate sweep of the tiny model, each point a DDP run at world 2 (multirun/optim.lr-<digest>/; run again, it continues)

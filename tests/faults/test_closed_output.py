@@ -25,7 +25,8 @@ from trainer.process.streams import reader_proof, when_a_reader_leaves
 
 STEPS = 10
 CLOSED_NOTICE = re.compile(r"^(?:dtrain: |.*\[dtrain\]\[INFO\] - )stdout is closed \(its reader exited\); "
-                           r"training goes on and its lines still go to (\S+); Ctrl-C stops it with a checkpoint$",
+                           r"the run does not stop for that and its lines still go to (\S+); "
+                           r"Ctrl-C stops it with a checkpoint$",
                            re.M)
 STOP_IN_LOG = re.compile(r"\] - SIGINT at step (\d+): saved (\S+); exiting with 130$", re.M)
 WORLDS = {1: (), 2: ("parallel=ddp", "world=2")}

@@ -94,6 +94,7 @@ def _going_on(stream: str) -> None:
     killed): the run goes on, its lines in the job log."""
     files = _files_written()
     kept = f"its lines still go to {files[0]}" if files else "metrics.jsonl still gets its figures"
-    say(f"{stream} is closed (its reader exited); training goes on and {kept}; Ctrl-C stops it with a "
-        "checkpoint")
+    # "does not stop for that": true also when the Ctrl-C that took the reader down stops it next
+    say(f"{stream} is closed (its reader exited); the run does not stop for that and {kept}; Ctrl-C stops it "
+        "with a checkpoint")
 
