@@ -120,7 +120,9 @@ def test_training_seconds_leave_out_a_slow_evaluation(data_dir, tmp_path):
     # 4,096 validation tokens (16 batches) after every step: evaluating takes longer than training
     run_dir = tmp_path / "run"
     run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=5", "train.val_interval=1", "train.val_tokens=4096",
-                         "train.target_val_loss=10.75", "train.continue_after_target=true"), check=True)
+                         # met at step 2 or 3 on either corpus (the shared tiny-shakespeare, or the text
+                         # tests/helpers/dtrain.py makes without it), never at step 1
+                         "train.target_val_loss=10.80", "train.continue_after_target=true"), check=True)
     end = end_record(run_dir)
     summary, excluded = end["summary"], end["excluded_s"]
     wall, train_s = summary["wall_s"], summary["train_s"]

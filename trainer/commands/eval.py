@@ -186,7 +186,9 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
     except OmegaConfBaseException as err:
         message = " ".join(str(err).split()[:40])
         raise ConfigError(f"bad override: {message}; usage: {parser.usage_line()}") from None
-    check_ranges(cfg)  # e.g. eval.limit=-1 or eval.hellaswag.batch_examples=0: before any file is looked for
+    # eval.limit=-1 or eval.hellaswag.batch_examples=0: one line before any file is looked for (the
+    # rest waits for the checkpoint's tokenizer, which model.vocab_size is checked against)
+    check_ranges(cfg, ("eval",))
     mode = cfg.parallel.mode
     if mode not in PARALLEL_MODES:
         raise ConfigError(f"parallel={mode!r} is unknown; choose one of {', '.join(PARALLEL_MODES)}")
@@ -199,6 +201,7 @@ def eval_setup(parser: ArgParser, run_dir: Path, overrides: list[str],
     tokenizer = tokenizer_for_weights(run_dir, weights, cfg.tokenizer, tokenizer_dir)
     for section in (cfg.tokenizer, cfg.data.tokenizer):
         section.name, section.path, section.checkpoint = tokenizer.name, tokenizer.path, None
+    check_ranges(cfg)
     return run_dir, cfg, weights
 
 
