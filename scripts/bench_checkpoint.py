@@ -35,11 +35,11 @@ from trainer.checkpoint.layout import latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import batch_plan, from_dict, to_dict  # noqa: E402
+from trainer.fit.run import TrainState  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.parallel import make_strategy, strategy_class  # noqa: E402
-from trainer.train.loop import TrainState  # noqa: E402
 
 
 class _Loader:

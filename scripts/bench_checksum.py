@@ -41,12 +41,12 @@ from trainer.checkpoint.manager import Checkpointer  # noqa: E402
 from trainer.checkpoint.verify import SafeReader  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import batch_plan  # noqa: E402
+from trainer.fit.run import TrainState  # noqa: E402
 from trainer.io import write_durable  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 from trainer.process.runtime import Runtime  # noqa: E402
-from trainer.train.loop import TrainState  # noqa: E402
 
 
 def build(cfg, rt):

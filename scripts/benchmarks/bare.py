@@ -18,10 +18,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.data.shards import open_split
+from trainer.fit.run import Run
 from trainer.model.gpt import build_model
 from trainer.process.runtime import Runtime
 from trainer.process.signals import StopSignals, at_step_boundary
-from trainer.train.loop import Run
 
 from .harness import on_every_rank, step_bookkeeping, sync
 

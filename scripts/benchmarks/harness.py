@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from trainer.config.schema import from_dict
+from trainer.fit.run import Run
+from trainer.fit.steplog import StepLog
 from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.parallel import strategy_class
 from trainer.process.runtime import init_runtime
-from trainer.train.loop import Run, StepLog
 
 
 def on_every_rank(cfg_dict: dict, measure: Callable[..., dict], *args) -> list[dict]:

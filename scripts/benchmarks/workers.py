@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
+from trainer.fit.run import Run
+from trainer.fit.steplog import StepLog
 from trainer.model.gpt import build_model
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.process.runtime import Runtime
-from trainer.train.loop import Run, StepLog
 
 from .harness import on_every_rank, step_bookkeeping, sync
 from .memory import PeakMemory, optimizer_state_tensors, state_tensors_per_parameter, tensor_bytes

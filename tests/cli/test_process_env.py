@@ -68,4 +68,4 @@ def test_a_native_crash_shows_the_python_stack(data_dir, tmp_path):
             proc.wait()
     assert proc.returncode == -signal.SIGSEGV
     assert "Fatal Python error: Segmentation fault" in stderr, stderr[-2000:]
-    assert "trainer/train/loop.py" in stderr, stderr[-3000:]
+    assert "trainer/fit/loop.py" in stderr, stderr[-3000:]

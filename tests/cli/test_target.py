@@ -1,4 +1,4 @@
-"""Time to target (train.target_val_loss, trainer/train/target.py): the first evaluation at or below the
+"""Time to target (train.target_val_loss, trainer/fit/target.py): the first evaluation at or below the
 target records the summary's `target` record and ends the run (finished: the same command again
 has nothing to do); training seconds leave out evaluation, measured against a slow evaluation made
 for real; a target never met says so; bad values are one error line before anything is written."""
@@ -14,7 +14,7 @@ from trainer.config.compose import compose
 from trainer.config.schema import TrainConfig
 from trainer.config.validation import check_ranges
 from trainer.errors import ConfigError
-from trainer.train.target import TargetWatch, describe_target
+from trainer.fit.target import TargetWatch, describe_target
 
 SEQ_LEN = 64
 TOKENS_PER_STEP = 4 * SEQ_LEN  # tiny_args: micro batch 4 x seq 64, one process, no accumulation
@@ -57,7 +57,7 @@ def test_a_bad_target_in_a_sweep_is_refused_before_the_sweep_folder(data_dir, tm
 
 
 class _State:
-    """The TrainState fields the watch reads (trainer.train.loop.TrainState, without torch's import)."""
+    """The TrainState fields the watch reads (trainer.fit.run.TrainState, without torch's import)."""
 
     def __init__(self, step, tokens, train_s=2.0):
         self.step, self.tokens, self.train_s = step, tokens, train_s

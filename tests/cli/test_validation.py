@@ -219,15 +219,18 @@ ENOSPC_IN_HYDRA = """
 import sys
 from pathlib import Path
 from trainer.cli import fail
-from trainer.commands.train import run_app
+from trainer.commands.train import run_as_hydra_job
+from trainer.config.command_line import ConfigSource
+from trainer.config.compose import compose
 from trainer.errors import UserError
 from trainer.io import write_errors_as_user_errors
 
 run_dir = Path(sys.argv[1])
+cfg = compose([f"hydra.run.dir={run_dir}", "hydra.mode=RUN"], return_hydra_config=True)
 try:
-    # what trainer/commands/train.py's _single_run does around Hydra's own entry point
+    # what trainer/commands/train.py's _single_run does around Hydra's job runner
     with write_errors_as_user_errors(run_dir, "choose another hydra.run.dir="):
-        returned = run_app([f"hydra.run.dir={run_dir}"], lambda job_cfg: 0.0)
+        returned = run_as_hydra_job(cfg, ConfigSource(), lambda job_cfg: 0.0)
 except UserError as err:
     fail(str(err))
 print("wrote", returned)

@@ -240,8 +240,8 @@ def test_unwritable_checkpoint_dir_keeps_the_previous_checkpoint(data_dir, refer
     permissions), through the real Run and Checkpointer in this process."""
     from trainer.checkpoint.manager import Checkpointer
     from trainer.config.compose import compose
+    from trainer.fit.run import Run
     from trainer.process.runtime import Runtime
-    from trainer.train.loop import Run
 
     reference = references("none")
     run_dir = tmp_path / "run"

@@ -19,12 +19,12 @@ from trainer.checkpoint.layout import list_checkpoints
 from trainer.cli import main
 from trainer.config.schema import batch_plan, from_dict
 from trainer.errors import NonFiniteError
+from trainer.fit.run import TrainState
 from trainer.model.gpt import build_model
 from trainer.observe.metrics import MetricsLogger
 from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
-from trainer.train.loop import TrainState
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""train.on_nonfinite with the update masked on device (trainer/train/nonfinite.py): where every optimizer
+"""train.on_nonfinite with the update masked on device (trainer/fit/nonfinite.py): where every optimizer
 takes found_inf (fused AdamW, Muon), the update is queued under the device-side verdict and the host
 reads it afterwards. The guarantees are those of the host read first (tests/faults/test_nonfinite.py):
 skip makes no update (weights, optimizer state, AdamW's step count), every rank agrees, stop saves

@@ -73,7 +73,7 @@ def test_crashed_worker_shows_where_and_its_peer_claims_no_save(data_dir, tmp_pa
     assert "worker rank 1 failed" in stderr and "SIGSEGV" in stderr, stderr[-2000:]
     crashed = "".join(p.read_text() for p in run_dir.glob("logs/*/attempt_0/1/stderr.log"))
     assert "Fatal Python error: Segmentation fault" in crashed, crashed[-2000:]
-    assert "trainer/train/loop.py" in crashed, crashed[-3000:]  # the step it was in
+    assert "trainer/fit/loop.py" in crashed, crashed[-3000:]  # the step it was in
     everything = stderr + "".join(p.read_text() for p in run_dir.rglob("*.log"))
     assert "saving a checkpoint" not in everything, everything[-3000:]
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())

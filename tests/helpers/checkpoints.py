@@ -20,11 +20,11 @@ from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.weights import model_from_run
 from trainer.config.compose import compose
 from trainer.config.schema import batch_plan
+from trainer.fit.run import TrainState
 from trainer.model.gpt import build_model
 from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
-from trainer.train.loop import TrainState
 
 ONE_CPU_PROCESS = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                           distributed=False)

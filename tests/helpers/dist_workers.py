@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.config.schema import from_dict
+from trainer.fit.run import Run
 from trainer.parallel import strategy_class
 from trainer.process.runtime import init_runtime
-from trainer.train.loop import Run
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.data.val_set import ValidationSet
-from trainer.train.loop import Run
+from trainer.fit.run import Run
 
 # 20 sequences of 48 tokens, which no micro batch and world here divide: every case but one process
 # at micro batch 4 ends on a padded batch

@@ -87,7 +87,7 @@ def test_the_one_process_run_path_imports_no_checkpoint_or_other_mode(tmp_path):
     (the memory plan's meta model included), parallel=none's Strategy. Neither DCP, nor another mode's
     module, nor torch._dynamo (the optimizer imports that one later, see docs/performance.md)."""
     env, log = watched_env(tmp_path, [DCP, "torch.distributed.tensor", "torch._dynamo", *OTHER_MODES])
-    code = ("import trainer.train.worker, trainer.commands.train\n"
+    code = ("import trainer.fit.worker, trainer.commands.train\n"
             "from trainer.config.compose import compose\n"
             "from trainer.plan.memory import checkpoint_bytes\n"
             "from trainer.parallel import strategy_class\n"

@@ -14,9 +14,9 @@ from helpers.dtrain import read_metrics, run_dtrain, tiny_args
 from trainer.config.compose import compose
 from trainer.data.shards import open_split
 from trainer.data.tokenizer import EOT, encode, token_byte_lengths
+from trainer.fit.run import Run
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.train.loop import Run
 
 
 def test_byte_lengths_add_up_to_the_texts_bytes():

@@ -234,8 +234,8 @@ def trained_run(data_dir, tmp_path_factory):
     project's own Run, saved as a run dir (resolved config + state_dict), plus HellaSwag-format files
     for it. (10 steps already take the easy set from chance to 43/43.)"""
     from trainer.config.compose import compose
+    from trainer.fit.run import Run
     from trainer.preflight.rundir import write_config_record
-    from trainer.train.loop import Run
 
     root = tmp_path_factory.mktemp("hellaswag")
     run_dir = root / "run"

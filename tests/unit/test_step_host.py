@@ -7,8 +7,8 @@ import torch
 from helpers.dtrain import tiny_args
 
 from trainer.config.compose import compose
+from trainer.fit.run import Run
 from trainer.process.runtime import Runtime
-from trainer.train.loop import Run
 
 
 def test_train_mode_is_set_only_after_an_evaluation(data_dir, tmp_path):

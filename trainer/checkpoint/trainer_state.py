@@ -31,7 +31,7 @@ def state_record(state, ran_with: dict, identity: dict, loaders: list, rngs: lis
         "best_val_loss": _json_float(state.best_val_loss),
         "last_loss": _json_float(state.last_loss),
         "train_s": state.train_s, "excluded_s": state.excluded_s, "wall_s": state.wall_s,  # over every session
-        "target": state.target,  # trainer/train/target.py
+        "target": state.target,  # trainer/fit/target.py
         **ran_with,
         **identity,  # "data" and "tokenizer"
         "time": time.time(),

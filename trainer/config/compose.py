@@ -1,9 +1,10 @@
 """Hydra composition for every command: the overrides of a command line (trainer/config/command_line.py
 reads Hydra's flags beside them), the points of a sweep, the default run and sweep folders, and the
 composed config, with Hydra's errors turned into one line. Only Hydra's public API (`hydra.compose`,
-`initialize_config_dir`, the override parser): the run itself goes through `hydra.main`, which reads
-the same flags, so what the checks compose is what runs. No torch here: a bad config is reported
-before torch would have finished importing."""
+`initialize_config_dir`, the override parser); a single run is then run from that one composition
+as Hydra's job (commands/train.py, with hydra_context here), a sweep through `hydra.main`
+(run_hydra_app), which reads the same flags. No torch here: a bad config is reported before torch
+would have finished importing."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from pathlib import Path
 import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra._internal.callbacks import Callbacks
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import CompactHydraException, OverrideParseException
-from hydra.types import RunMode
+from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -295,3 +297,17 @@ def hydra_job(cfg: DictConfig) -> tuple[Path, DictConfig | None]:
     hydra_cfg = HydraConfig.get()
     anchor_paths(cfg, Path(hydra_cfg.runtime.cwd), chdir=hydra_cfg.job.chdir)
     return Path(hydra_cfg.runtime.output_dir), hydra_cfg if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def hydra_context(cfg: DictConfig, source: ConfigSource) -> HydraContext:
+    """What Hydra's job runner (`hydra.core.utils.run_job`) takes beside a composed config, as Hydra
+    hands it to its launchers: the config loader of `source` and the config's hydra.callbacks.
+    (`Callbacks` is the one class here from Hydra's _internal: HydraContext is typed with it and
+    Hydra makes it no other way.)"""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(source.config_path), version_base="1.3", job_name=JOB_NAME):
+            loader = GlobalHydra.instance().config_loader()
+    finally:
+        GlobalHydra.instance().clear()
+    return HydraContext(config_loader=loader, callbacks=Callbacks(cfg))

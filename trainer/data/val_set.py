@@ -7,7 +7,7 @@ two shards): the set is the first val_tokens // seq_len of them, or as many as t
 Sequence i goes to rank i % world, which reads its share in micro batches of micro_batch_size rows.
 Every rank runs the same number of forward passes (an FSDP forward is a collective): where a rank's
 share runs out, the rest of its batch is padding that counts for nothing (`kept` is False there).
-The loss is then summed per token and divided by the count of tokens scored (trainer/train/loop.py),
+The loss is then summed per token and divided by the count of tokens scored (trainer/fit/run.py),
 so the figure does not depend on how the set was cut into batches.
 """
 

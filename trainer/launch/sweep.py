@@ -127,7 +127,7 @@ def run_point(cfg, hydra_cfg, runner: Callable[[RunDirLock | None], dict]) -> fl
     trains under that lock."""
     point = _Point(hydra_cfg)
     lock = RunDirLock(point.dir)
-    # Under plain torchrun every rank runs the sweep: rank 0's worker holds each point (trainer.train.worker).
+    # Under plain torchrun every rank runs the sweep: rank 0's worker holds each point (trainer.fit.worker).
     locking = not under_torchrun()
     if locking:
         try:

@@ -76,7 +76,7 @@ def run_figures(run_dir: Path, records: list[dict[str, Any]] | None = None) -> t
 
 
 def target_figures(target: Any) -> dict[str, Any]:
-    """The summary's `target` record (trainer/train/target.py) as figures: whether the run reached its
+    """The summary's `target` record (trainer/fit/target.py) as figures: whether the run reached its
     train.target_val_loss, and the training seconds, tokens, step and FLOPs it took (None where the
     run had no target or did not reach it)."""
     target = target if isinstance(target, dict) else {}

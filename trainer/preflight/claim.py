@@ -12,7 +12,7 @@ Nothing is written before every check has passed. Who calls it, and when:
     a single run        the driver, before Hydra writes .hydra/ and dtrain.log (commands/train.py)
     a sweep point       the driver, in the point's folder under the lock its sweep took (commands/train.py)
     plain torchrun      rank 0's worker, which tells the other ranks its config and run directory
-                        (trainer/train/worker.py's torchrun_main)
+                        (trainer/fit/worker.py's torchrun_main)
 
 A sweep also checks each point before its sweep folder exists (check_sweep_point), as far as that
 can be known without the point's folder; the point then claims its folder with claim_run.

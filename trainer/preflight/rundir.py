@@ -170,7 +170,7 @@ def trajectory_changes(recorded: dict, config: dict, skip: tuple[str, ...] = ())
 
 def _finished(run_dir: Path, config: dict) -> bool:
     """The run logged its end-of-run summary at train.max_steps, or where it met its target
-    (trainer/train/target.py) unless now told to go on after it (and a checkpoint, if any, agrees)."""
+    (trainer/fit/target.py) unless now told to go on after it (and a checkpoint, if any, agrees)."""
     summary = [r for r in read_metrics(run_dir / METRICS_FILE) if isinstance(r.get("summary"), dict)]
     if not summary:
         return False

@@ -1,7 +1,7 @@
-"""The loop's bookkeeping after each optimizer step (trainer/train/loop.py): tokens/s windows, MFU, ETA,
+"""The loop's bookkeeping after each optimizer step (trainer/fit/loop.py): tokens/s windows, MFU, ETA,
 the step's log record, and the split of the session's seconds into training (TrainState.train_s)
 and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, other), which time to
-target (trainer/train/target.py) reports. Each second counted in one of them counts in
+target (trainer/fit/target.py) reports. Each second counted in one of them counts in
 TrainState.wall_s too: like them it adds up over every start of the run (the checkpoint keeps it)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class StepLog:
     with it the figure read 16,828 tok/s against the step lines' 360,000); its wall-clock figure
     counts everything."""
 
-    def __init__(self, run, metrics: MetricsLogger, view: ProgressView):  # run: trainer.train.loop.Run
+    def __init__(self, run, metrics: MetricsLogger, view: ProgressView):  # run: trainer.fit.run.Run
         self.run, self.metrics, self.view = run, metrics, view
         t = run.cfg.train
         self.log_interval, self.max_steps = t.log_interval, t.max_steps

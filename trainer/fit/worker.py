@@ -1,4 +1,4 @@
-"""A worker process: the same loop under dtrain's launcher, in-process, or under plain torchrun.
+"""A worker process: the same Trainer under dtrain's launcher, in-process, or under plain torchrun.
 
     worker_main     a run its driver already claimed (dtrain's launcher, or one worker in-process)
     torchrun_main   plain torchrun: every rank composed its own config; rank 0 claims the run
@@ -20,12 +20,12 @@ from omegaconf import DictConfig
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config.schema import from_dict, to_dict
 from trainer.errors import Stopped
+from trainer.fit.loop import Trainer
 from trainer.parallel import strategy_class
 from trainer.preflight.claim import claim_run
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
 from trainer.process.runtime import Runtime, init_runtime
 from trainer.process.signals import StopSignals
-from trainer.train.loop import train
 
 
 def worker_main(cfg_dict: dict, run_dir: str) -> dict:
@@ -35,7 +35,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     ends it as Stopped, once every rank has stopped at the same step and the checkpoint is saved.
     """
     with _this_rank(cfg_dict) as (cfg, rt):
-        return _train(cfg, rt, Path(run_dir))
+        return asdict(Trainer(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir))).fit())
 
 
 def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
@@ -54,13 +54,10 @@ def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
             claimed_cfg, claimed_dir, finished = rt.from_main(claim)
             if finished:
                 return {}
-            return _train(from_dict(claimed_cfg), rt, Path(claimed_dir))
+            cfg, run = from_dict(claimed_cfg), Path(claimed_dir)
+            return asdict(Trainer(cfg, rt, run, Checkpointer(cfg, rt, run)).fit())
     finally:
         lock.release()
-
-
-def _train(cfg, rt: Runtime, run_dir: Path) -> dict:
-    return asdict(train(cfg, rt, run_dir, Checkpointer(cfg, rt, run_dir)))
 
 
 @contextmanager
