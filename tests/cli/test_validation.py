@@ -219,9 +219,8 @@ ENOSPC_IN_HYDRA = """
 import sys
 from pathlib import Path
 from trainer.cli import fail
-from trainer.commands.train import run_as_hydra_job
 from trainer.config.command_line import ConfigSource
-from trainer.config.compose import compose
+from trainer.config.compose import compose, run_as_hydra_job
 from trainer.errors import UserError
 from trainer.io import write_errors_as_user_errors
 

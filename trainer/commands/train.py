@@ -21,12 +21,10 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from hydra.core.utils import configure_log, run_job
 from omegaconf import DictConfig, open_dict, read_write
 from rich.console import Console
 
 from trainer.config.command_line import (
-    ConfigSource,
     check_hydra_flags,
     config_source,
     expand_seeds,
@@ -37,8 +35,8 @@ from trainer.config.compose import (
     anchor_paths,
     compose,
     env_flag,
-    hydra_context,
     hydra_job,
+    run_as_hydra_job,
     run_hydra_app,
     sweep_points,
     swept_keys,
@@ -118,31 +116,6 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
             with env_flag(CONTINUE_COMMAND_ENV, continue_command(args, overrides, run_dir)):
                 # as claimed: a continuation's tokenizer pinned to its checkpoint's copy
                 run_as_hydra_job(_with_hydra(job_cfg, cfg), source, partial(fit, run_dir=run_dir))
-
-
-def run_as_hydra_job(cfg: DictConfig, source: ConfigSource, job):
-    """job(cfg without its hydra section) as Hydra runs a job, from this composed config (what a
-    Hydra launcher does with each config it is given): the run directory made, hydra.job.chdir
-    honoured, `.hydra/` (config.yaml, hydra.yaml, overrides.yaml) and dtrain.log (hydra.job_logging)
-    written, hydra.callbacks told. The job's exception is raised here as it is, not printed by
-    Hydra with 'Error executing job with overrides' above the one `error:` line; an error of
-    Hydra's own (a write it could not make) comes through whole for write_errors_as_user_errors."""
-    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)  # as hydra.main sets up Hydra's own logger
-    context = hydra_context(cfg, source)
-    context.callbacks.on_run_start(config=cfg, config_name=cfg.hydra.job.config_name)
-    outcome: list = []  # what `job` returned, or the exception it raised
-
-    def task(job_cfg: DictConfig) -> None:
-        try:
-            outcome.append(job(job_cfg))
-        except BaseException as err:  # Stopped and KeyboardInterrupt too: they end the command
-            outcome.append(err)
-
-    ret = run_job(task, cfg, job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
-    context.callbacks.on_run_end(config=cfg, config_name=cfg.hydra.job.config_name, job_return=ret)
-    if outcome and isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0] if outcome else None
 
 
 def _announce(state: RunDirState, run_dir: Path) -> None:

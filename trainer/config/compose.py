@@ -2,7 +2,7 @@
 reads Hydra's flags beside them), the points of a sweep, the default run and sweep folders, and the
 composed config, with Hydra's errors turned into one line. Only Hydra's public API (`hydra.compose`,
 `initialize_config_dir`, the override parser); a single run is then run from that one composition
-as Hydra's job (commands/train.py, with hydra_context here), a sweep through `hydra.main`
+as Hydra's job (run_as_hydra_job), a sweep through `hydra.main`
 (run_hydra_app), which reads the same flags. No torch here: a bad config is reported before torch
 would have finished importing."""
 
@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import configure_log, run_job
 from hydra.errors import CompactHydraException, OverrideParseException
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -311,3 +312,28 @@ def hydra_context(cfg: DictConfig, source: ConfigSource) -> HydraContext:
     finally:
         GlobalHydra.instance().clear()
     return HydraContext(config_loader=loader, callbacks=Callbacks(cfg))
+
+
+def run_as_hydra_job(cfg: DictConfig, source: ConfigSource, job: Callable[[DictConfig], object]):
+    """job(cfg without its hydra section) as Hydra runs a job, from this composed config (what a
+    Hydra launcher does with each config it is given): the run directory made, hydra.job.chdir
+    honoured, `.hydra/` (config.yaml, hydra.yaml, overrides.yaml) and dtrain.log (hydra.job_logging)
+    written, hydra.callbacks told. The job's exception is raised here as it is, not printed by
+    Hydra with 'Error executing job with overrides' above the one `error:` line; an error of
+    Hydra's own (a write it could not make) comes through whole for write_errors_as_user_errors."""
+    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)  # as hydra.main sets up Hydra's own logger
+    context = hydra_context(cfg, source)
+    context.callbacks.on_run_start(config=cfg, config_name=cfg.hydra.job.config_name)
+    outcome: list = []  # what `job` returned, or the exception it raised
+
+    def task(job_cfg: DictConfig) -> None:
+        try:
+            outcome.append(job(job_cfg))
+        except BaseException as err:  # Stopped and KeyboardInterrupt too: they end the command
+            outcome.append(err)
+
+    ret = run_job(task, cfg, job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+    context.callbacks.on_run_end(config=cfg, config_name=cfg.hydra.job.config_name, job_return=ret)
+    if outcome and isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0] if outcome else None
