@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from rich.markup import escape
 
-from trainer.checkpoint.init_from import start_from_weights
 from trainer.config.schema import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.mix_loader import MixtureLoader
@@ -36,6 +35,7 @@ from trainer.process.signals import at_step_boundary
 from trainer.train.nonfinite import NonFiniteGuard
 from trainer.train.steplog import StepLog
 from trainer.train.target import TargetWatch, describe_target
+from trainer.weights.init_from import start_from_weights
 
 
 @dataclass
