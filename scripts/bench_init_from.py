@@ -6,7 +6,7 @@
 Makes the folder once with transformers (GPT2LMHeadModel(GPT2Config()) with random weights, saved
 by save_pretrained: model.safetensors + config.json, as `huggingface-cli download gpt2` gives), then
 `repeats` times builds a fresh parallel=none model and times only the load into it
-(trainer.checkpoint.init_from.start_from_weights: the safetensors reads, the transposes, the copy),
+(trainer.weights.init_from.start_from_weights: the safetensors reads, the transposes, the copy),
 with the preflight check (header and shapes, no torch) timed apart. Prints each time and the best.
 Needs transformers (the test extra) and safetensors.
 """
@@ -25,12 +25,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trainer.checkpoint.init_from import start_from_weights  # noqa: E402
-from trainer.checkpoint.init_source import check_init_source  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
 from trainer.process.runtime import Runtime  # noqa: E402
+from trainer.weights.init_from import start_from_weights  # noqa: E402
+from trainer.weights.init_source import check_init_source  # noqa: E402
 
 
 def make_folder(folder: Path) -> None:

@@ -36,8 +36,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint  # noqa: E402
-from trainer.checkpoint.weights import model_from_run  # noqa: E402
 from trainer.observe.metrics import read_metrics  # noqa: E402
+from trainer.weights.from_checkpoint import model_from_run  # noqa: E402
 
 INTERVAL = 5  # steps between checkpoints
 

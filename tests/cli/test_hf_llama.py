@@ -1,7 +1,7 @@
 """Hugging Face Llama both ways: `dtrain export` of a Llama-shaped model is a LlamaForCausalLM (with
 QK-norm a Qwen3ForCausalLM) whose logits are ours, and `model.init_from` reads the folders
 transformers writes (sharded, or LlamaModel's names without `model.` too) into the matching group.
-The mapping is trainer/checkpoint/hf_llama.py; GPT-2's cases are tests/unit/test_export.py and
+The mapping is trainer/huggingface/llama.py; GPT-2's cases are tests/unit/test_export.py and
 tests/cli/test_init_from.py."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 from helpers.checkpoints import loaded_model, make_hf_folder
 from helpers.dtrain import dtrain_env, read_metrics, run_dtrain, tiny_args
 
-from trainer.checkpoint.hf import hf_config, read_llama_region, to_hf_state_dict
-from trainer.checkpoint.hf_llama import llama_parts
-from trainer.checkpoint.init_source import check_init_source
-from trainer.checkpoint.weights import model_from_run
 from trainer.config.compose import compose
 from trainer.errors import CheckpointError, ConfigError
+from trainer.huggingface.llama import llama_parts
+from trainer.huggingface.mapping import hf_config, read_llama_region, to_hf_state_dict
 from trainer.model.gpt import build_model
+from trainer.weights.from_checkpoint import model_from_run
+from trainer.weights.init_source import check_init_source
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

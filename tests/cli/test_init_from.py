@@ -1,5 +1,6 @@
 """model.init_from: a new run from a Hugging Face GPT-2 folder, a dtrain run directory or a step_*
-folder (trainer/checkpoint/init_source.py checks it, init_from.py loads it, hf.py maps names)."""
+folder (trainer/weights/init_source.py checks it, trainer/weights/init_from.py loads it,
+trainer/huggingface/mapping.py maps names)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ import torch
 from helpers.checkpoints import VOCAB, loaded_model, make_hf_folder
 from helpers.dtrain import dtrain_env, read_metrics, run_dtrain, tiny_args
 
-from trainer.checkpoint.hf import CONV1D_WEIGHTS
-from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import latest_checkpoint
-from trainer.checkpoint.weights import model_from_run
 from trainer.commands.export import export
 from trainer.config.compose import compose
 from trainer.config.validation import validate
 from trainer.errors import ConfigError, UserError
+from trainer.huggingface.mapping import CONV1D_WEIGHTS
+from trainer.weights.from_checkpoint import model_from_run
+from trainer.weights.init_source import check_init_source
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from helpers.runs import CKPT_ARGS, CKPT_NAMES, INTERVAL, MODES, STEPS
 
 from trainer.checkpoint.layout import MARKER, checkpoint_step, is_complete, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.verify import read_metadata, validate_checkpoint
-from trainer.checkpoint.weights import load_model_weights, model_from_run
 from trainer.errors import CheckpointError
+from trainer.weights.from_checkpoint import load_model_weights, model_from_run
 
 NEXT = "step_000009"  # what a resumed run with train.max_steps=9 saves (at its end)
 

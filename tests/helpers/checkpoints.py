@@ -13,11 +13,8 @@ import pytest
 import torch
 
 from trainer.checkpoint.finite import nonfinite_tensors
-from trainer.checkpoint.init_from import start_from_weights
-from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.checkpoint.manager import Checkpointer
-from trainer.checkpoint.weights import model_from_run
 from trainer.config.compose import compose
 from trainer.config.schema import batch_plan
 from trainer.fit.run import TrainState
@@ -25,6 +22,9 @@ from trainer.model.gpt import build_model
 from trainer.optim.build import build_optimizer
 from trainer.parallel import make_strategy
 from trainer.process.runtime import Runtime
+from trainer.weights.from_checkpoint import model_from_run
+from trainer.weights.init_from import start_from_weights
+from trainer.weights.init_source import check_init_source
 
 ONE_CPU_PROCESS = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                           distributed=False)

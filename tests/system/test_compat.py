@@ -26,9 +26,9 @@ from helpers.runs import (
     assert_matches_one_process,
 )
 
-from trainer.checkpoint.hf import CONV1D_WEIGHTS
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
-from trainer.checkpoint.weights import model_from_run
+from trainer.huggingface.mapping import CONV1D_WEIGHTS
+from trainer.weights.from_checkpoint import model_from_run
 
 pytestmark = pytest.mark.compat
 

@@ -25,10 +25,10 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows  # noqa: E402
 
-from trainer.checkpoint.weights import model_from_run  # noqa: E402
 from trainer.commands.eval import cmd_eval  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.evals.harness import DtrainLM  # noqa: E402
+from trainer.weights.from_checkpoint import model_from_run  # noqa: E402
 
 
 @pytest.fixture

@@ -14,9 +14,7 @@ import pytest
 import torch
 from helpers.dtrain import corpus_text
 
-from trainer.checkpoint.hf import CONV1D_WEIGHTS
 from trainer.checkpoint.layout import latest_checkpoint
-from trainer.checkpoint.weights import model_from_run
 from trainer.cli import main
 from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
@@ -24,7 +22,9 @@ from trainer.config.compose import compose
 from trainer.data import tokenizer
 from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
+from trainer.huggingface.mapping import CONV1D_WEIGHTS
 from trainer.model.gpt import build_model
+from trainer.weights.from_checkpoint import model_from_run
 
 pytest.importorskip("safetensors")
 

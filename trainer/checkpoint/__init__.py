@@ -36,18 +36,15 @@ torch-free for the run-directory checks that run before torch is imported):
     selection which checkpoint a resume loads: newest intact first, corrupt ones set aside
     rng       every rank's RNG states as JSON
     manager   the Checkpointer: save, restore, retention and async saves during training
-    weights   a checkpoint's (or a state_dict file's) weights in a plain model: eval, sample, export
     finite    whether a state's tensors are all finite (before a save; after a weights read)
     space     room for the next checkpoint, checked before the work is lost (standard library)
     deferred  torch.distributed.checkpoint, imported at the first save, restore or weights read
-    init_source  what model.init_from names, checked before anything is written (standard library)
-    init_from    a new run's first weights from a Hugging Face folder or a dtrain checkpoint
-    hf        Hugging Face GPT-2 names and layouts <-> ours (export and init_from)
-    hf_llama  the same for Llama and Qwen3
 
 Whether a continuation may go on from a checkpoint is a preflight check: trainer/preflight/continuation.py.
+A checkpoint's weights read outside a training run (eval, sample, export, model.init_from) are
+trainer/weights/'s; Hugging Face's formats are trainer/huggingface/'s.
 
 torch.distributed.checkpoint itself (with DTensor and sympy under it, about 0.7 s) is imported at
-the first save or restore, where it is used (manager, selection, weights, init_from): a run that
+the first save or restore, where it is used (manager, selection; trainer/weights/): a run that
 starts fresh trains its first step without it (tests/system/test_startup.py).
 """

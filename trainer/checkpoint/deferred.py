@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint and the checks around it (verify.py), imported at the first save,
-restore or weights read rather than with the modules that use them (manager, selection, weights,
-init_from): DCP pulls in DTensor and sympy, about 0.7 s, which a one-process run needs for nothing
+restore or weights read rather than with the modules that use them (manager, selection,
+trainer/weights/): DCP pulls in DTensor and sympy, about 0.7 s, which a one-process run needs for nothing
 before its first save (tests/system/test_startup.py). trainer/parallel/base.py, a layer below, defers DCP's
 state-dict helpers the same way.
 """
@@ -11,7 +11,7 @@ import warnings
 
 # DCP warns on every single-process save and load (an async one warns from its thread); that is
 # the intended use here. Process-wide, and installed here because every module that saves or
-# loads with DCP (manager, selection, weights, init_from) imports this one, before DCP itself.
+# loads with DCP (manager, selection, trainer/weights/) imports this one, before DCP itself.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
 
 

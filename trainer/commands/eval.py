@@ -40,15 +40,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
-from trainer.checkpoint.weights import (
-    checkpoint_at_step,
-    eval_weights_path,
-    load_weights,
-    tokenizer_for_weights,
-    weights_step,
-)
+from trainer.commands.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.commands.eval_harness import check_results_folder, harness_eval
-from trainer.config.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.config.validation import check_ranges
 from trainer.data.tokenizers import load_tokenizer
@@ -64,6 +57,13 @@ from trainer.parallel import make_strategy, strategy_class
 from trainer.preflight.rundir import read_config_record
 from trainer.process.env import under_torchrun
 from trainer.process.runtime import init_runtime
+from trainer.weights.from_checkpoint import (
+    checkpoint_at_step,
+    eval_weights_path,
+    load_weights,
+    tokenizer_for_weights,
+    weights_step,
+)
 
 RESULT_FILE = HELLASWAG_RESULT_FILE
 HARNESS_FLAGS = ("include_path", "num_fewshot", "batch_size", "device", "bootstrap_iters", "log_samples")

@@ -33,14 +33,6 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.layout import enclosing_checkpoint
-from trainer.checkpoint.weights import (
-    checkpoint_at_step,
-    eval_weights_path,
-    load_weights,
-    model_from_run,
-    tokenizer_for_weights,
-    weights_step,
-)
 from trainer.config.schema import LaunchConfig, from_dict, to_dict
 from trainer.data.hub import hub_unreachable
 from trainer.data.tokenizers import load_tokenizer
@@ -53,6 +45,14 @@ from trainer.model.gpt import build_model
 from trainer.observe.results import HARNESS_FILE, harness_table, table_console
 from trainer.preflight.rundir import read_config_record
 from trainer.process.runtime import init_runtime
+from trainer.weights.from_checkpoint import (
+    checkpoint_at_step,
+    eval_weights_path,
+    load_weights,
+    model_from_run,
+    tokenizer_for_weights,
+    weights_step,
+)
 
 INSTALL = "pip install 'dtrain[harness]'"
 DEFAULT_BATCH_SIZE = 8

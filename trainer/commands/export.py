@@ -17,7 +17,7 @@ anything is written:
     tokenizer = AutoTokenizer.from_pretrained("OUT_DIR")
     pipeline("text-generation", model="OUT_DIR")
 
-Names and layouts go through trainer/checkpoint/hf.py and hf_llama.py, the mapping
+Names and layouts go through trainer/huggingface/ (mapping.py and llama.py), the mapping
 `model.init_from` reads with: GPT-2's Conv1D weights transposed, Llama's q/k/v and gate/up split
 out of our fused matrices, padded vocabulary rows dropped, a tied lm_head not stored
 (from_pretrained ties it, as save_pretrained does). Needs the optional
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.hf import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
-from trainer.checkpoint.hf_llama import export_family
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
-from trainer.checkpoint.weights import checkpoint_of, model_from_run, tokenizer_of
-from trainer.config.args import ArgParser, folder_to_write, non_negative_int
+from trainer.commands.args import ArgParser, folder_to_write, non_negative_int
 from trainer.data.hf_tokenizer import write_hf_tokenizer
 from trainer.errors import UserError
+from trainer.huggingface.llama import export_family
+from trainer.huggingface.mapping import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.io import check_room, check_writable_dir, new_file_mode, write_atomic, write_errors_as_user_errors
+from trainer.weights.from_checkpoint import checkpoint_of, model_from_run, tokenizer_of
 
 OUT_FIX = "choose another --out DIR"
 # safetensors' header: a JSON entry per tensor (name, dtype, shape, offsets), under 200 bytes for our names

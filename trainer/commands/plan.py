@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from trainer.config.args import ArgParser
+from trainer.commands.args import ArgParser
 from trainer.config.compose import compose
 from trainer.config.schema import requested_world
 from trainer.config.validation import validate

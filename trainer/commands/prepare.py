@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from trainer.config.args import ArgParser
+from trainer.commands.args import ArgParser
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
 from trainer.data.mixture import EXAMPLE

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.layout import enclosing_checkpoint
-from trainer.config.args import ArgParser, folder_to_write
+from trainer.commands.args import ArgParser, folder_to_write
 from trainer.config.keys import identity
 from trainer.errors import UserError
 from trainer.io import (

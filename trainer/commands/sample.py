@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
-from trainer.checkpoint.weights import checkpoint_of, model_from_run, tokenizer_of
-from trainer.config.args import (
+from trainer.commands.args import (
     ArgParser,
     non_negative_float,
     non_negative_int,
@@ -25,6 +24,7 @@ from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED
 from trainer.errors import UserError
 from trainer.evals.generate import generate_text
 from trainer.process.runtime import pick_device
+from trainer.weights.from_checkpoint import checkpoint_of, model_from_run, tokenizer_of
 
 
 def cmd_sample(argv: list[str]) -> None:

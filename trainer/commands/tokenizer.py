@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 
 from trainer.checkpoint.layout import enclosing_checkpoint
-from trainer.config.args import ArgParser, folder_to_write
+from trainer.commands.args import ArgParser, folder_to_write
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
 from trainer.data import sources

@@ -44,6 +44,19 @@ TRAJECTORY = (
 # (trainer/preflight/continuation.py), so giving the recorded total is no change of setting.
 BATCH_KEYS = ("train.total_batch_size", "train.grad_accum_steps")
 
+# Keys renamed so that a name says what it is, old name -> new, the one table of them: validation
+# loss (train.val_*) is not HellaSwag (eval.*), and train.val_batches counted micro batches where
+# train.val_tokens counts tokens (its value converted: _val_batches_as_tokens). The old names still
+# work, with a notice: the schema carries each as a None field made from this table
+# (schema.py with_old_names), and every composed or recorded config moves a value given under an
+# old name to the new one, in this order (eval_batches's value goes on to val_tokens).
+RENAMED_KEYS = {
+    "train.eval_interval": "train.val_interval",
+    "train.eval_batches": "train.val_batches",
+    "eval.interval": "eval.hellaswag.interval",
+    "train.val_batches": "train.val_tokens",
+}
+
 OPERATIONAL = (
     # launched: any world size and mode reshard the checkpoint; compile (and its mode), activation
     # checkpointing and the loss's pieces change how the same steps run (to rounding), not which
@@ -51,8 +64,8 @@ OPERATIONAL = (
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
     "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
-    # the old names (RENAMED_KEYS) and val_tokens' old measure (_val_batches_as_tokens)
-    "train.eval_interval", "train.val_batches", "train.eval_batches",
+    # the old names (RENAMED_KEYS), each moved to its new key before anything reads it
+    *RENAMED_KEYS,
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",
     # when the run ends, not what any step learns: a target stops it early as a stop signal would,
     # and the summary's `target` record names the target it met
@@ -157,30 +170,25 @@ def run_identity(config: dict) -> str:
     return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p) for p in parts)
 
 
-# Keys renamed so that a name says what it is: validation loss (train.val_*) is not HellaSwag
-# (eval.*). The old names still work, with a notice: the schema keeps them as None, and every
-# composed or recorded config moves a value given under an old name to the new one.
-RENAMED_KEYS = {
-    "train.eval_interval": "train.val_interval",
-    "train.eval_batches": "train.val_batches",
-    "eval.interval": "eval.hellaswag.interval",
-}
-
-
 def apply_renamed_keys(cfg: DictConfig) -> list[str]:
     """Move values set under an old name (RENAMED_KEYS) to the new one (the old name wins: it is
-    what the user wrote), then train.val_batches to train.val_tokens; returns one notice per old
-    key used."""
+    what the user wrote), train.val_batches converted to tokens; returns one notice per old key
+    used."""
     notices = []
     for old, new in RENAMED_KEYS.items():
-        value = OmegaConf.select(cfg, old, default=None)
-        if value is None:
-            continue
-        OmegaConf.update(cfg, new, value, merge=False)
-        OmegaConf.update(cfg, old, None, merge=False)
-        notices.append(f"{old} is now {new} (the old name still works; {new}={value} is what it set)")
-    notice = _val_batches_as_tokens(cfg)
-    return notices + ([notice] if notice else [])
+        notice = _val_batches_as_tokens(cfg) if old == "train.val_batches" else _moved(cfg, old, new)
+        if notice:
+            notices.append(notice)
+    return notices
+
+
+def _moved(cfg: DictConfig, old: str, new: str) -> str | None:
+    value = OmegaConf.select(cfg, old, default=None)
+    if value is None:
+        return None
+    OmegaConf.update(cfg, new, value, merge=False)
+    OmegaConf.update(cfg, old, None, merge=False)
+    return f"{old} is now {new} (the old name still works; {new}={value} is what it set)"
 
 
 def _val_batches_as_tokens(cfg: DictConfig) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from trainer.config.keys import apply_renamed_keys
+from trainer.config.keys import RENAMED_KEYS, apply_renamed_keys
 from trainer.config.vocab import VOCAB_RESOLVER
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
@@ -55,6 +55,22 @@ MAX_SEED = 2**64 - 1
 # so 10,000 tokens (about 40 KB of text, ten GPT-2 windows) is already up to an hour, and 10**20
 # never ends. A longer text is several samples, each continuing the last (--prompt).
 MAX_SAMPLE_TOKENS = 10_000
+
+
+def with_old_names(section: str):
+    """A section's old key names (trainer/config/keys.py RENAMED_KEYS) as fields that default to
+    None, after its own: a command, a preset or an older run's record may still set one, and
+    apply_renamed_keys moves its value to the key that replaced it, with a notice."""
+
+    def add(cls):
+        for old in RENAMED_KEYS:
+            parent, _, name = old.rpartition(".")
+            if parent == section:
+                cls.__annotations__[name] = "Optional[int]"
+                setattr(cls, name, None)
+        return cls
+
+    return add
 
 
 @dataclass
@@ -193,6 +209,7 @@ class LaunchConfig:
 
 
 @dataclass
+@with_old_names("train")
 class TrainConfig:
     seed: int = 1337
     max_steps: int = 400
@@ -205,21 +222,18 @@ class TrainConfig:
     # the split's first val_tokens // seq_len sequences, the same set whatever the micro batch, world
     # or accumulation (trainer/data/val_set.py). 8,192: what val_batches=8 read at the default 8 x 128.
     val_tokens: int = 8192
-    val_batches: Optional[int] = None  # the old measure, in micro batches: sets val_tokens (keys.py)
-    eval_interval: Optional[int] = None  # the old name of val_interval (RENAMED_KEYS)
-    eval_batches: Optional[int] = None  # the older name of val_batches (RENAMED_KEYS)
     log_interval: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
     compile: bool = False
     # torch.compile's mode (COMPILE_MODES); needs compile=true. "default" as make bench-gpu chose it
-    # (H100, 2026-11-26): reduce-overhead's CUDA graphs made gpt2_124m's step 3.4% slower, 3 GiB larger.
+    # (its figures: docs/performance.md).
     compile_mode: str = "default"
     activation_checkpointing: bool = False
     # The loss over the vocabulary computed in this many pieces along the sequence, each piece's
     # logits (and their gradient) made and dropped in turn: B x T x vocab logits are never held
     # whole. 1 = one piece (the logits of the whole micro batch at once), as make bench-gpu chose it
-    # (H100, 2026-11-26): 4 pieces took 29% less memory and 6% more time for gpt2_124m at 32 x 1024.
+    # (its figures, time against memory: docs/performance.md).
     loss_chunks: int = 1
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     # what they continue: a newline fits any corpus, as `dtrain sample`'s default (the Shakespeare
@@ -263,8 +277,8 @@ class HellaswagConfig:
 
 
 @dataclass
+@with_old_names("eval")
 class EvalConfig:
-    interval: Optional[int] = None  # the old name of eval.hellaswag.interval (RENAMED_KEYS)
     limit: Optional[int] = None  # at most this many examples
     hellaswag: HellaswagConfig = field(default_factory=HellaswagConfig)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from trainer.checkpoint.init_from import start_from_weights
+from trainer.weights.init_from import start_from_weights
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval

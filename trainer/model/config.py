@@ -1,37 +1,34 @@
-"""The model's shape, each block option a field (model.* in the run's config). Every default is the
-schema's (trainer/config/schema.py ModelConfig: the tiny model with GPT-2's block), taken from there, so
-the model a config section builds and the one GPTConfig() builds cannot drift apart."""
+"""The model's shape, each block option a field (model.* in the run's config). The fields are the
+schema's own (trainer/config/schema.py ModelConfig: the tiny model with GPT-2's block): their names,
+order and defaults are read from there, never restated, so the model a config section builds and the
+one GPTConfig() builds cannot drift apart, and a block option added to the schema is a field here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
-from trainer.config.schema import ModelConfig as Schema
+from trainer.config.schema import ModelConfig
 from trainer.config.shape import mlp_width
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 
+# ModelConfig's keys that say which preset a run names and where its first weights come from, not
+# what shape the model has.
+NOT_SHAPE = ("name", "init_from")
+# The schema's default vocab_size is the tokenizer's, read when the config resolves: GPT-2's here.
+RESOLVED_DEFAULTS = {"vocab_size": TOKENIZER_VOCAB_SIZE}
 
-@dataclass(frozen=True)
-class GPTConfig:
-    n_layer: int = Schema.n_layer
-    n_head: int = Schema.n_head
-    n_embd: int = Schema.n_embd
-    block_size: int = Schema.block_size
-    # the schema's default is the tokenizer's size, read when the config resolves: GPT-2's here
-    vocab_size: int = TOKENIZER_VOCAB_SIZE
-    pad_vocab_multiple: int = Schema.pad_vocab_multiple
-    dropout: float = Schema.dropout
-    bias: bool = Schema.bias
-    norm: str = Schema.norm
-    norm_eps: float = Schema.norm_eps
-    pos: str = Schema.pos
-    rope_theta: float = Schema.rope_theta
-    mlp: str = Schema.mlp
-    mlp_hidden: int | None = Schema.mlp_hidden
-    mlp_multiple_of: int = Schema.mlp_multiple_of
-    n_kv_head: int | None = Schema.n_kv_head
-    qk_norm: bool = Schema.qk_norm
-    tie_embeddings: bool = Schema.tie_embeddings
+_ShapeFields = dataclasses.make_dataclass(
+    "_ShapeFields",
+    [(f.name, f.type, RESOLVED_DEFAULTS.get(f.name, f.default))
+     for f in dataclasses.fields(ModelConfig) if f.name not in NOT_SHAPE],
+    frozen=True,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(_ShapeFields):
+    """ModelConfig's fields less NOT_SHAPE, in its order (what each means is written there), and
+    what the model derives from them."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -65,4 +62,4 @@ class GPTConfig:
         """From the run's model config. A key the saved config of an older run lacks keeps its
         default (the schema's: GPT-2's block), so old checkpoints build the model they were trained
         with."""
-        return cls(**{k: model_cfg[k] for k in cls.__dataclass_fields__ if k in model_cfg})
+        return cls(**{f.name: model_cfg[f.name] for f in dataclasses.fields(cls) if f.name in model_cfg})

@@ -3,7 +3,7 @@
 
 Module names stay GPT-2's in every family (attn.c_attn holds q, k and v side by side; mlp.c_fc
 holds SwiGLU's gate and up halves), so strategies, checkpoints and the optimizer's roles see one
-model; trainer/checkpoint/hf_llama.py maps them to Llama's names.
+model; trainer/huggingface/llama.py maps them to Llama's names.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.checkpoint.init_source import check_init_source
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
 from trainer.config.schema import batch_plan, to_dict, tracker_names
@@ -27,6 +26,7 @@ from trainer.preflight.continuation import check_continuation, check_same_data
 from trainer.preflight.run_tokenizer import Pin, unpinned
 from trainer.preflight.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
 from trainer.process.env import restart_count
+from trainer.weights.init_source import check_init_source
 
 
 def check_run(cfg, run_dir: Path, world: int, lock: RunDirLock | None = None) -> RunDirState:

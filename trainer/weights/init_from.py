@@ -1,10 +1,10 @@
 """`model.init_from=PATH`: a new run's first weights, from a Hugging Face GPT-2, Llama or Qwen3
-folder or a dtrain checkpoint (its source is checked before the run starts: trainer/checkpoint/init_source.py).
+folder or a dtrain checkpoint (its source is checked before the run starts: trainer/weights/init_source.py).
 
 The weights go into the model the strategy has already wrapped, through its own model state dict:
 under FSDP that holds each rank's shards (DTensors), and each rank reads only those: safetensors'
 get_slice reads the rows (or, for HF's transposed Conv1D weights, the columns) of its shard, of
-each of HF's q/k/v or gate/up tensors our fused one holds (hf_llama.py), DCP
+each of HF's q/k/v or gate/up tensors our fused one holds (trainer/huggingface/llama.py), DCP
 reads the chunks the rank holds. No rank ever holds two full copies of the model. Optimizer,
 schedule, step and data start fresh: this is not a resume (which continues a run exactly).
 """
@@ -17,7 +17,11 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint.deferred import dcp, verify
-from trainer.checkpoint.hf import (
+from trainer.checkpoint.layout import CHECKPOINT_DIR
+from trainer.checkpoint.selection import check_explicit, newest_intact
+from trainer.errors import CheckpointError
+from trainer.huggingface.llama import file_key, llama_parts
+from trainer.huggingface.mapping import (
     EMBEDDING,
     HEAD,
     SafetensorsFolder,
@@ -27,13 +31,9 @@ from trainer.checkpoint.hf import (
     read_llama_region,
     safetensors_lib,
 )
-from trainer.checkpoint.hf_llama import file_key, llama_parts
-from trainer.checkpoint.init_source import InitSource, find_init_source, hf_weight_files
-from trainer.checkpoint.layout import CHECKPOINT_DIR
-from trainer.checkpoint.selection import check_explicit, newest_intact
-from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
 from trainer.process.joblog import say
+from trainer.weights.init_source import InitSource, find_init_source, hf_weight_files
 
 
 def start_from_weights(run, spec: str, resumed_from: Path | None) -> None:

@@ -20,15 +20,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint.hf_llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_step, is_complete, resolve_checkpoint
 from trainer.config.schema import CONF_DIR, ModelConfig
 from trainer.config.shape import mlp_width
 from trainer.errors import CheckpointError, ConfigError
+from trainer.huggingface.llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.io import not_a_folder
 
 HF_CONFIG = "config.json"
-HF_WEIGHTS = "model.safetensors"  # trainer.checkpoint.hf.WEIGHTS_FILE (that module needs torch)
+HF_WEIGHTS = "model.safetensors"  # trainer.huggingface.mapping.WEIGHTS_FILE (that module needs torch)
 HF_INDEX = "model.safetensors.index.json"  # a sharded save: which file holds each tensor
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the block's keys a source must share with the model group (widths and heads as the model builds them)

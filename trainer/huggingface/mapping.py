@@ -1,6 +1,6 @@
 """Hugging Face names and layouts <-> ours: the one mapping `dtrain export` writes with and
 `model.init_from` reads with. GPT-2's is here; Llama's table of names (and Qwen3's, Llama with
-QK-norm) is in hf_llama.py, applied to tensors here.
+QK-norm) is in llama.py, applied to tensors here.
 
 Our parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight` ...). What differs:
 - HF's Conv1D stores c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear;
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint.hf_llama import export_family, file_key, llama_config, llama_parts
 from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
+from trainer.huggingface.llama import export_family, file_key, llama_config, llama_parts
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHTS_FILE = "model.safetensors"
@@ -83,7 +83,7 @@ def to_hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, tor
 
 
 def _to_llama_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Each of our tensors split into the HF tensors hf_llama.llama_parts stacks in it."""
+    """Each of our tensors split into the HF tensors llama.llama_parts stacks in it."""
     c = model.config
     parts = llama_parts(dataclasses.asdict(c))
     out = {}
@@ -158,7 +158,7 @@ class SafetensorsFolder:
 
 def read_llama_region(files, name: str, parts: list, offsets: tuple, sizes: tuple) -> torch.Tensor:
     """The part [offsets, offsets + sizes) of our tensor `name`, made of HF's `parts` stacked along
-    dim 0 (hf_llama.llama_parts): only the rows of each part that fall in it are read. Vocabulary
+    dim 0 (llama.llama_parts): only the rows of each part that fall in it are read. Vocabulary
     rows past HF's come back NaN for `pad_rows` to fill."""
     start, stop = offsets[0], offsets[0] + sizes[0]
     columns = tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))

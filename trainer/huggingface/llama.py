@@ -1,6 +1,6 @@
 """Hugging Face Llama (and Qwen3: Llama with QK-norm) names and config.json <-> ours: the mapping
 `dtrain export` writes Llama-shaped models with and `model.init_from` reads them with, beside
-GPT-2's (hf.py, which applies this table to tensors). Torch-free: a folder is checked with it
+GPT-2's (mapping.py, which applies this table to tensors). Torch-free: a folder is checked with it
 before anything runs.
 
 What differs between our Llama-shaped GPT and transformers' LlamaForCausalLM:
