@@ -40,9 +40,9 @@ from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
 from trainer.checkpoint.weights import checkpoint_of, model_from_run, tokenizer_of
 from trainer.config.args import ArgParser, folder_to_write, non_negative_int
-from trainer.data.hf_tokenizer import write_hf_tokenizer
 from trainer.errors import UserError
 from trainer.io import check_room, check_writable_dir, new_file_mode, write_atomic, write_errors_as_user_errors
+from trainer.tokenizers.hf_files import write_hf_tokenizer
 
 OUT_FIX = "choose another --out DIR"
 # safetensors' header: a JSON entry per tensor (name, dtype, shape, offsets), under 200 bytes for our names

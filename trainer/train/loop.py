@@ -17,8 +17,7 @@ from trainer.config.schema import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.mix_loader import MixtureLoader
 from trainer.data.mixture import mixed_figures, mixture_weights, source_configs
-from trainer.data.shards import open_split, redo_command
-from trainer.data.tokenizers import load_tokenizer
+from trainer.data.shard_reader import open_split, redo_command
 from trainer.data.val_set import ValidationSet
 from trainer.errors import NonFiniteError
 from trainer.evals.generate import generate_text
@@ -33,6 +32,7 @@ from trainer.parallel import make_strategy
 from trainer.process.joblog import job_log, say
 from trainer.process.runtime import Runtime
 from trainer.process.signals import at_step_boundary
+from trainer.tokenizers.load import load_tokenizer
 from trainer.train.nonfinite import NonFiniteGuard
 from trainer.train.steplog import StepLog
 from trainer.train.target import TargetWatch, describe_target
