@@ -1,4 +1,5 @@
-"""Open a prepared dataset's shards as read-only memory maps (uint16 or uint32), after checking them."""
+"""Open a prepared dataset's shards as read-only memory maps (uint16 or uint32), after checking them:
+the manifest as a whole, the run's tokenizer against the one it records, each shard's size (and ids)."""
 
 from __future__ import annotations
 
