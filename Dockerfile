@@ -35,7 +35,7 @@ COPY --from=wheel /wheels /wheels
 # sha256, so that the container never needs the network for it.
 RUN pip install --no-cache-dir "$(echo /wheels/dtrain-*.whl)[${EXTRAS}]" \
     && rm -rf /wheels \
-    && python -c "from trainer.data.tokenizer import gpt2_encoding; assert gpt2_encoding().encode('Hello world') == [15496, 995]" \
+    && python -c "from trainer.tokenizers.gpt2 import gpt2_encoding; assert gpt2_encoding().encode('Hello world') == [15496, 995]" \
     && chmod -R a+rX /opt/dtrain \
     && useradd --create-home --uid 1000 --shell /bin/bash dtrain
 # numeric, so that Kubernetes can check runAsNonRoot without reading /etc/passwd

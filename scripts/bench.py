@@ -39,11 +39,11 @@ from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import PARALLEL_MODES, to_dict  # noqa: E402
 from trainer.config.validation import validate  # noqa: E402
 from trainer.data.layout import MANIFEST, dataset_dir  # noqa: E402
-from trainer.data.prepare import is_prepared, prepare  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.parallel import strategy_class  # noqa: E402
 from trainer.plan.memory import estimate  # noqa: E402
+from trainer.prepare.pipeline import is_prepared, prepare  # noqa: E402
 
 MODEL_ALIASES = {
     # ~16M parameters: the larger CPU model of the benchmark figures (FACTS.md)

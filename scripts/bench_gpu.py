@@ -59,7 +59,7 @@ from rich.table import Table  # noqa: E402
 
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import PARALLEL_MODES  # noqa: E402
-from trainer.data.shards import open_split  # noqa: E402
+from trainer.data.shard_reader import open_split  # noqa: E402
 from trainer.fit.run import Run  # noqa: E402
 from trainer.observe.flops import device_peak_flops  # noqa: E402
 from trainer.plan.memory import estimate  # noqa: E402

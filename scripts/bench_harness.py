@@ -57,12 +57,12 @@ from safetensors.torch import save_file  # noqa: E402
 
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import to_dict  # noqa: E402
-from trainer.data.hf_tokenizer import hf_tokenizer_files, write_hf_tokenizer  # noqa: E402
 from trainer.evals.harness import DtrainLM  # noqa: E402
 from trainer.evals.task_index import task_manager  # noqa: E402
 from trainer.huggingface.mapping import hf_config, to_hf_state_dict  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
 from trainer.preflight.rundir import write_config_record  # noqa: E402
+from trainer.tokenizers.hf_files import hf_tokenizer_files, write_hf_tokenizer  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TASKS = {"bench_mc": "loglikelihood", "bench_ppl": "loglikelihood_rolling", "bench_gen": "generate_until"}

@@ -30,12 +30,12 @@ from benchmarks.harness import on_every_rank  # noqa: E402
 
 from trainer.config.compose import compose  # noqa: E402
 from trainer.config.schema import to_dict  # noqa: E402
-from trainer.data.tokenizer import gpt2_encoding  # noqa: E402
 from trainer.evals.hellaswag import HellaSwagEval  # noqa: E402
 from trainer.evals.hellaswag_file import read_examples  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402
 from trainer.parallel import make_strategy  # noqa: E402
+from trainer.tokenizers.gpt2 import gpt2_encoding  # noqa: E402
 
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 CTX_TOKENS, ENDING_TOKENS = 48, 24

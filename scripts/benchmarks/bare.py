@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.data.shards import open_split
+from trainer.data.shard_reader import open_split
 from trainer.fit.run import Run
 from trainer.model.gpt import build_model
 from trainer.process.runtime import Runtime

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from trainer.data.tokenize_pool import encoding_pool, piece_batches
-from trainer.data.tokenizer import gpt2_encoding
+from trainer.prepare.tokenize_pool import encoding_pool, piece_batches
+from trainer.tokenizers.gpt2 import gpt2_encoding
 
 
 def benchmark_tokenize(texts: list[str], num_proc: int | None = None) -> dict:

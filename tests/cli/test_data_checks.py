@@ -16,13 +16,13 @@ from helpers.dtrain import run_dtrain, tiny_args
 from helpers.errors import error_line
 
 from trainer.config.compose import compose
-from trainer.data import prepare as P
-from trainer.data import shards
+from trainer.data import shard_reader
 from trainer.data.loader import ShardLoader
-from trainer.data.manifest import TOP_LEVEL
-from trainer.data.tokenizer import VOCAB_SIZE
+from trainer.data.manifest import TOP_LEVEL, load_manifest
 from trainer.errors import DataError
 from trainer.preflight.checks import check_data
+from trainer.prepare import pipeline as P
+from trainer.tokenizers.gpt2 import VOCAB_SIZE
 
 TEXT = "".join(f"Line {i}: the quality of mercy is not strained.\n" for i in range(3000))
 
@@ -123,12 +123,12 @@ def test_every_part_of_the_manifest_schema_is_checked(data_dir, tmp_path):
             broken = [broken]
         manifest_path(root).write_text(json.dumps(broken))
         with pytest.raises(DataError) as err:
-            shards.read_manifest(cfg)
+            shard_reader.read_manifest(cfg)
         message = str(err.value)
         assert str(manifest_path(root)) in message and "--force" in message and "\n" not in message, name
-        assert P.load_manifest(manifest_path(root)) is None, name
+        assert load_manifest(manifest_path(root)) is None, name
     manifest_path(root).write_text(json.dumps(good))
-    assert shards.read_manifest(cfg) == good  # the good one passes
+    assert shard_reader.read_manifest(cfg) == good  # the good one passes
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -189,18 +189,18 @@ def test_ids_beyond_the_vocabulary_fail_where_verify_reads_the_data(data_dir, tm
     shard = put_id(root, 1000)
     cfg = P.as_data_cfg({"name": "corpus", "dir": str(root), "verify": "sha256"})
     with pytest.raises(DataError) as err:
-        shards.open_split(cfg, "train")
+        shard_reader.open_split(cfg, "train")
     message = str(err.value)
     assert f"shard {shard} holds token id 65,535" in message and f"{VOCAB_SIZE:,}" in message
     assert message.endswith("--force`") and "\n" not in message
     cfg.verify = "auto"  # a small split is read in full: the same
     with pytest.raises(DataError, match="65,535"):
-        shards.open_split(cfg, "train")
+        shard_reader.open_split(cfg, "train")
     cfg.verify = "size"  # not read up front: the loader checks each batch
-    assert len(shards.open_split(cfg, "train")) == 1
+    assert len(shard_reader.open_split(cfg, "train")) == 1
     put_id(root, 1000, VOCAB_SIZE - 1)  # the largest id GPT-2 has is fine
     cfg.verify = "sha256"
-    assert len(shards.open_split(cfg, "train")) == 1
+    assert len(shard_reader.open_split(cfg, "train")) == 1
 
 
 def test_the_loader_refuses_a_batch_with_an_id_beyond_the_vocabulary(tmp_path):

@@ -15,11 +15,11 @@ from helpers.hints import run_hint
 
 from trainer.config.compose import compose
 from trainer.config.dataset_names import TEXT_SOURCE_NEEDED, text_dataset_name
-from trainer.data import prepare as P
 from trainer.data.layout import dataset_dir
-from trainer.data.manifest import schema_problem
+from trainer.data.manifest import load_manifest, schema_problem
 from trainer.errors import DataError
 from trainer.preflight.checks import check_data
+from trainer.prepare import pipeline as P
 
 TRAIN = ["train", "model=tiny", "train.max_steps=1", "train.micro_batch_size=2", "train.seq_len=32",
          "train.val_tokens=64", "train.sample_tokens=0", "train.progress=false"]
@@ -187,7 +187,7 @@ def test_a_manifest_of_an_older_dtrain_still_loads(tmp_path):
         assert "'source_identity'" in schema_problem({**manifest, "source_identity": bad})
     del manifest["source_identity"]
     path.write_text(json.dumps(manifest))
-    assert P.load_manifest(path) is not None and P.is_prepared(cfg)
+    assert load_manifest(path) is not None and P.is_prepared(cfg)
     a.write_text("other text\n")
     assert trains_on(train_args(data, tmp_path / "run", "data.name=x", f"data.source={a}",
                                 "data.val_fraction=0.1")) == str(a)

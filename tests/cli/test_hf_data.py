@@ -18,12 +18,12 @@ from helpers.dtrain import corpus_text, dtrain_env, read_metrics, run_dtrain, ti
 from trainer.config.compose import compose
 from trainer.config.dataset_names import hf_dataset_name
 from trainer.config.validation import check_dataset_name
-from trainer.data import prepare as P
-from trainer.data import records
-from trainer.data.hub import OFFLINE_VARS, PROXY_VARS
 from trainer.data.identity import data_identity
-from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import ConfigError, DataError
+from trainer.fetch.hub import OFFLINE_VARS, PROXY_VARS
+from trainer.prepare import documents
+from trainer.prepare import pipeline as P
+from trainer.tokenizers.gpt2 import EOT, gpt2_encoding
 
 
 def hf(*keys: str):
@@ -216,11 +216,11 @@ def test_the_datasets_stream_on_a_local_dataset(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = stories()
     folder = str(parquet_folder(tmp_path, docs))
-    assert list(records.hub_documents(folder, None, "train", "story")) == docs
+    assert list(documents.hub_documents(folder, None, "train", "story")) == docs
     with pytest.raises(DataError, match=r"row 0 has no 'text' field \(its fields: story, id\)"):
-        records.check_hub(folder, None, "train", "text")
+        documents.check_hub(folder, None, "train", "text")
     with pytest.raises(DataError, match=f"cannot stream {folder} split test from Hugging Face .*Bad split"):
-        records.check_hub(folder, None, "test", "story")
+        documents.check_hub(folder, None, "test", "story")
 
 
 # ------------------------------------------------------------------------------------- end to end

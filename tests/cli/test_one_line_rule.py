@@ -16,9 +16,9 @@ from helpers.errors import error_line
 
 from trainer.config.compose import compose
 from trainer.config.validation import validate
-from trainer.data.hub import OFFLINE_VARS, PROXY_VARS, hub_unreachable
-from trainer.data.prepare import _locked
 from trainer.errors import ConfigError
+from trainer.fetch.hub import OFFLINE_VARS, PROXY_VARS, hub_unreachable
+from trainer.prepare.pipeline import _locked
 
 
 def train_args(data_dir: Path, *extra: str) -> list[str]:

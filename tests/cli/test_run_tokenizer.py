@@ -21,10 +21,10 @@ from trainer.checkpoint.layout import MARKER, STEP_PREFIX, latest_checkpoint
 from trainer.config.compose import compose
 from trainer.config.vocab import CHECKPOINT_MARKER, CHECKPOINT_PREFIX, tokenizer_folder
 from trainer.data.layout import dataset_dir
-from trainer.data.prepare import prepare
-from trainer.data.tokenizer_training import fit_train_split
-from trainer.data.tokenizers import load_tokenizer
 from trainer.evals.hellaswag import Example
+from trainer.prepare.pipeline import prepare
+from trainer.prepare.tokenizer_training import fit_train_split
+from trainer.tokenizers.load import load_tokenizer
 
 pytest.importorskip("tokenizers")
 VOCAB, OTHER_VOCAB = 400, 300

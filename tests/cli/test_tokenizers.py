@@ -18,7 +18,7 @@ from helpers.tokenizers import byte_level_folder
 
 from trainer.config.compose import compose
 from trainer.data.layout import dataset_dir
-from trainer.data.tokenizers import load_tokenizer, shard_dtype
+from trainer.tokenizers.load import load_tokenizer, shard_dtype
 
 tokenizers = pytest.importorskip("tokenizers")
 BIG_VOCAB = 70_001  # over 65,536: uint32 shards

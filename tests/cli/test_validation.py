@@ -21,13 +21,13 @@ from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.config.validation import RANGES, check_ranges, validate
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
-from trainer.data.tokenizer import VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
 from trainer.io import write_errors_as_user_errors
 from trainer.model.gpt import build_model
 from trainer.parallel import STRATEGIES, make_strategy
 from trainer.preflight.rundir import write_config_record
 from trainer.process.runtime import Runtime
+from trainer.tokenizers.gpt2 import VOCAB_SIZE
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,12 @@ from helpers.runs import CKPT_ARGS, CKPT_NAMES, RESUMED
 from trainer.checkpoint.layout import MARKER, STATE_FILE, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.records import newest_resumable
 from trainer.config.compose import compose
-from trainer.data.tokenizer import GPT2_FINGERPRINT
 from trainer.errors import DataError
 from trainer.observe.metrics import MetricsLogger
 from trainer.observe.results import run_figures
 from trainer.preflight.continuation import check_same_data
 from trainer.preflight.rundir import CONFIG_RECORD, RunDirState, check_run_dir
+from trainer.tokenizers.gpt2 import GPT2_FINGERPRINT
 
 STEPS = 16
 STOP_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")

@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 
 from helpers.dtrain import corpus_text, dtrain_env, run_dtrain
-from trainer.data.tokenizer import gpt2_encoding
 from trainer.evals.hellaswag_file import Example
+from trainer.tokenizers.gpt2 import gpt2_encoding
 
 GREEDY = ["dtrain_mc", "dtrain_ppl", "dtrain_gen"]  # what the harness's own `hf` model is compared on
 TASKS = [*GREEDY, "dtrain_sampled"]

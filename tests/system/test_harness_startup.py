@@ -22,9 +22,9 @@ from helpers.dtrain import REPO, dtrain_env, run_dtrain
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
-from trainer.data.tokenizer import cached_ranks_path
 from trainer.model.gpt import build_model
 from trainer.preflight.rundir import write_config_record
+from trainer.tokenizers.gpt2 import cached_ranks_path
 
 harness_tasks = pytest.importorskip("lm_eval.tasks")
 

@@ -12,11 +12,11 @@ from helpers.checkpoints import ONE_CPU_PROCESS
 from helpers.dtrain import read_metrics, run_dtrain, tiny_args
 
 from trainer.config.compose import compose
-from trainer.data.shards import open_split
-from trainer.data.tokenizer import EOT, encode, token_byte_lengths
+from trainer.data.shard_reader import open_split
 from trainer.fit.run import Run
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
+from trainer.tokenizers.gpt2 import EOT, encode, token_byte_lengths
 
 
 def test_byte_lengths_add_up_to_the_texts_bytes():

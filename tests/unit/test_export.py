@@ -19,11 +19,11 @@ from trainer.cli import main
 from trainer.commands.export import cmd_export
 from trainer.commands.sample import cmd_sample
 from trainer.config.compose import compose
-from trainer.data import tokenizer
-from trainer.data.tokenizer import EOT, encode
 from trainer.errors import UserError
 from trainer.huggingface.mapping import CONV1D_WEIGHTS
 from trainer.model.gpt import build_model
+from trainer.tokenizers import gpt2
+from trainer.tokenizers.gpt2 import EOT, encode
 from trainer.weights.from_checkpoint import model_from_run
 
 pytest.importorskip("safetensors")
@@ -110,7 +110,7 @@ def test_exported_tokenizer_encodes_like_tiktoken(hf_folder):
     assert tok.eos_token_id == tok.bos_token_id == EOT and tok.eos_token == "<|endoftext|>"
     two_docs = "First document.<|endoftext|>Second one"
     assert tok(two_docs)["input_ids"] == encode("First document.") + [EOT] + encode("Second one")
-    assert tok(two_docs)["input_ids"] == tokenizer.gpt2_encoding().encode(two_docs, allowed_special="all")
+    assert tok(two_docs)["input_ids"] == gpt2.gpt2_encoding().encode(two_docs, allowed_special="all")
     assert tok.decode(tok(two_docs)["input_ids"]) == two_docs
     assert tok.model_max_length == 128  # the exported model's block size
 
@@ -140,7 +140,7 @@ def test_text_generation_pipeline_runs_offline(trained, hf_folder, tmp_path):
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert text == tokenizer.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))
+    assert text == gpt2.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))
 
 
 def test_export_without_the_gpt2_ranks_is_one_line_and_writes_nothing(trained, tmp_path, monkeypatch,
@@ -150,11 +150,11 @@ def test_export_without_the_gpt2_ranks_is_one_line_and_writes_nothing(trained, t
     monkeypatch.setenv("DTRAIN_CACHE_DIR", str(tmp_path / "empty_cache"))
     monkeypatch.setenv("DTRAIN_OFFLINE", "1")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    tokenizer.gpt2_encoding.cache_clear()
+    gpt2.gpt2_encoding.cache_clear()
     try:
         err = _export_error([str(trained[0]), "--out", str(tmp_path / "hf")], capsys)
     finally:
-        tokenizer.gpt2_encoding.cache_clear()
+        gpt2.gpt2_encoding.cache_clear()
     assert "cannot load the GPT-2 tokenizer" in err and "gpt2.tiktoken" in err, err
     assert not (tmp_path / "hf").exists()
 

@@ -17,14 +17,14 @@ from helpers.evals import make_examples, write_jsonl
 from omegaconf import OmegaConf
 
 from trainer.config.schema import HellaswagConfig, to_dict
-from trainer.data.tokenizer import gpt2_encoding
-from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import DataError
 from trainer.evals.hellaswag import HellaSwagEval, build_batch, encode_example, score_batch
 from trainer.evals.hellaswag_file import Example, hellaswag_file, read_examples
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.process.runtime import Runtime
+from trainer.tokenizers.gpt2 import gpt2_encoding
+from trainer.tokenizers.load import GPT2Tokenizer
 
 SINGLE = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"), distributed=False)
 

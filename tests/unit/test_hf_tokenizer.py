@@ -9,15 +9,15 @@ import json
 import tiktoken_ext.openai_public
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from trainer.data import hf_tokenizer
-from trainer.data.hf_tokenizer import (
+from trainer.io import sha256_bytes, sha256_file
+from trainer.tokenizers import hf_files
+from trainer.tokenizers.hf_files import (
     MERGES_TXT_SHA256,
     VOCAB_JSON_SHA256,
     gpt2_ranks,
     hf_tokenizer_files,
     write_hf_tokenizer,
 )
-from trainer.io import sha256_bytes, sha256_file
 
 # openai-whisper==20230124's sdist, whisper/assets/gpt2/special_tokens_map.json
 WHISPER_SPECIAL_TOKENS_MAP_SHA256 = "c0b3c279b6ecdb71996a86ffb4d4ab94dfdb5df95f00bac9515688faef2ff5dd"
@@ -61,9 +61,9 @@ def test_the_config_files(tmp_path):
 
 def test_each_merge_joins_two_lower_ranked_tokens():
     ranks = gpt2_ranks()
-    assert hf_tokenizer._merge_pair(b" the", ranks) == (b" t", b"he")
+    assert hf_files._merge_pair(b" the", ranks) == (b" t", b"he")
     for token, rank in ranks.items():
         if len(token) > 1:
-            first, second = hf_tokenizer._merge_pair(token, ranks)
+            first, second = hf_files._merge_pair(token, ranks)
             assert first + second == token and ranks[first] < rank and ranks[second] < rank
-    assert hf_tokenizer.merges_txt(ranks).splitlines()[:3] == ["#version: 0.2", "\u0120 t", "\u0120 a"]
+    assert hf_files.merges_txt(ranks).splitlines()[:3] == ["#version: 0.2", "\u0120 t", "\u0120 a"]

@@ -16,11 +16,11 @@ from helpers.dtrain import run_dtrain
 
 from scripts.benchmarks.tokenize_speed import benchmark_tokenize
 from trainer.config.compose import compose
-from trainer.data import prepare as P
-from trainer.data import sources
-from trainer.data.tokenize_pool import split_document
-from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.errors import DataError
+from trainer.prepare import pipeline as P
+from trainer.prepare import sources
+from trainer.prepare.tokenize_pool import split_document
+from trainer.tokenizers.gpt2 import EOT, gpt2_encoding
 
 TINY = Path(__file__).resolve().parents[2].parent / "shared/data/tinyshakespeare/input.txt"
 

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import prepare as P
-from trainer.data import shards
-from trainer.data.tokenizer import EOT
+from trainer.data import shard_reader
 from trainer.errors import DataError
+from trainer.prepare import pipeline as P
+from trainer.tokenizers.gpt2 import EOT
 
 TEXT = "".join(f"Line {i}: the quality of mercy is not strained.\n" for i in range(3000))
 
@@ -33,8 +33,8 @@ def cfg(tmp_path):
 
 
 def test_open_split_returns_readonly_memmaps(cfg):
-    train, val = shards.open_split(cfg, "train"), shards.open_split(cfg, "val")
-    m = shards.read_manifest(cfg)
+    train, val = shard_reader.open_split(cfg, "train"), shard_reader.open_split(cfg, "val")
+    m = shard_reader.read_manifest(cfg)
     assert len(train) == len(m["splits"]["train"]) > 1
     for mm in train + val:
         assert isinstance(mm, np.memmap) and mm.dtype == np.uint16 and not mm.flags.writeable
@@ -46,7 +46,7 @@ def test_open_split_returns_readonly_memmaps(cfg):
 def test_missing_manifest_hints_prepare(tmp_path):
     c = P.as_data_cfg({"name": "tinyshakespeare", "dir": str(tmp_path)})
     with pytest.raises(DataError) as e:
-        shards.open_split(c, "train")
+        shard_reader.open_split(c, "train")
     msg = str(e.value)
     assert "not prepared" in msg and str(tmp_path / "tinyshakespeare") in msg
     assert f"dtrain prepare data=tinyshakespeare data.dir={tmp_path}" in msg and "\n" not in msg
@@ -58,21 +58,21 @@ def test_flipped_byte_fails_sha256(cfg):
     data[10] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(DataError) as e:
-        shards.open_split(cfg, "train")
+        shard_reader.open_split(cfg, "train")
     msg = str(e.value)
     assert "train_000001.bin" in msg and "sha256" in msg and "--force" in msg
     cfg.verify = "size"  # size-only checking does not read the data
-    assert len(shards.open_split(cfg, "train")) > 1
+    assert len(shard_reader.open_split(cfg, "train")) > 1
     cfg.verify = "sha256"
     with pytest.raises(DataError, match="sha256"):
-        shards.open_split(cfg, "train")
+        shard_reader.open_split(cfg, "train")
 
 
 def test_truncated_shard_fails_size(cfg):
     path = P.dataset_dir(cfg) / "val_000000.bin"
     path.write_bytes(path.read_bytes()[:-2])
     with pytest.raises(DataError, match="size") as e:
-        shards.open_split(cfg, "val")
+        shard_reader.open_split(cfg, "val")
     assert "val_000000.bin" in str(e.value) and "dtrain prepare data=text" in str(e.value)
 
 
@@ -80,13 +80,13 @@ def test_missing_shard_and_bad_manifest(cfg):
     root = P.dataset_dir(cfg)
     (root / "train_000000.bin").unlink()
     with pytest.raises(DataError, match="missing"):
-        shards.open_split(cfg, "train")
+        shard_reader.open_split(cfg, "train")
     (root / "manifest.json").write_text("{not json")
     with pytest.raises(DataError, match="unreadable"):
-        shards.read_manifest(cfg)
+        shard_reader.read_manifest(cfg)
     (root / "manifest.json").write_text(json.dumps({"format": 99, "splits": {}}))
     with pytest.raises(DataError, match="format"):
-        shards.read_manifest(cfg)
+        shard_reader.read_manifest(cfg)
 
 
 def test_empty_or_unknown_split(tmp_path):
@@ -95,9 +95,9 @@ def test_empty_or_unknown_split(tmp_path):
     c = P.as_data_cfg({"name": "text", "dir": str(tmp_path), "source": str(src), "val_fraction": 0.0})
     P.prepare(c)
     with pytest.raises(DataError, match="val_fraction"):
-        shards.open_split(c, "val")
+        shard_reader.open_split(c, "val")
     with pytest.raises(DataError, match="no 'test' split"):
-        shards.open_split(c, "test")
+        shard_reader.open_split(c, "test")
     c.verify = "sometimes"
     with pytest.raises(DataError, match="data.verify"):
-        shards.open_split(c, "train")
+        shard_reader.open_split(c, "train")

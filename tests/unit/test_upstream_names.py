@@ -10,7 +10,7 @@ Each name, where it is used, and why no public API serves:
   the verified reader hands DCP the index it checked, filled as DCP's own reader fills it.
 - `TORCHELASTIC_USE_AGENT_STORE`, an environment switch (runtime.py): whether the agent's store is
   there to prefix per restart attempt (FACTS.md: elastic restarts).
-- `tiktoken.Encoding._mergeable_ranks` (data/tokenizer.py, data/hf_tokenizer.py): the BPE ranks, to
+- `tiktoken.Encoding._mergeable_ranks` (tokenizers/gpt2.py, tokenizers/hf_files.py): the BPE ranks, to
   cache the vocabulary offline and build the Hugging Face tokenizer.
 - `torch._foreach_mul_`, `torch._foreach_add_` (muon.py): one kernel launch per family of
   matrices, torch.optim's own path.

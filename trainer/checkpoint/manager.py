@@ -41,11 +41,11 @@ from trainer.checkpoint.space import folder_bytes, make_room, remove_checkpoint
 from trainer.checkpoint.trainer_state import restore_counters, state_record
 from trainer.config.schema import to_dict
 from trainer.data.identity import recorded_identity
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import CheckpointError, ConfigError, NonFiniteError
 from trainer.io import dotted_keys, first_line, fsync_dir, write_durable
 from trainer.process.env import restart_count
 from trainer.process.joblog import say
+from trainer.tokenizers.load import load_tokenizer
 
 
 class Checkpointer:

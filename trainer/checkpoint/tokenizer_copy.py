@@ -5,7 +5,7 @@ Each checkpoint of a tokenizer=hf run holds the files of the tokenizer the run t
 beside its shards as LitGPT's and the HF Trainer's checkpoints hold theirs. Rank 0 writes them from
 the bytes the run read at its start (manager.py), and the marker's checksums cover them like every
 other file (integrity.py). A tokenizer=gpt2 run's need no copy: `gpt2` names one fixed vocabulary,
-built in and checked by its sha256 at every load (trainer/data/tokenizer.py), and no folder of the
+built in and checked by its sha256 at every load (trainer/tokenizers/gpt2.py), and no folder of the
 user's can move or change it.
 
 `dtrain sample`, `export` and `eval` read a checkpoint's tokenizer here (checkpoint_tokenizer): its
@@ -27,8 +27,8 @@ from trainer.checkpoint.layout import CONFIG_FILE, STATE_FILE
 from trainer.checkpoint.records import read_checkpoint_config, read_trainer_state
 from trainer.data.identity import tokenizer_changes
 from trainer.data.manifest import describe_tokenizer
-from trainer.data.tokenizers import TOKENIZER_FILE, TOKENIZER_FILES, load_tokenizer
 from trainer.errors import DataError
+from trainer.tokenizers.load import TOKENIZER_FILE, TOKENIZER_FILES, load_tokenizer
 
 # --tokenizer DIR, as sample, export and eval describe it
 TOKENIZER_HELP = ("the run's tokenizer folder, for a checkpoint saved before checkpoints kept a copy of it "
@@ -56,7 +56,7 @@ def describe_recorded(recorded: dict | None) -> str:
 
 
 def checkpoint_tokenizer(ckpt: Path, given: str | None = None):
-    """The tokenizer a checkpoint's ids were made with (trainer/data/tokenizers.py): `given` (a
+    """The tokenizer a checkpoint's ids were made with (trainer/tokenizers/load.py): `given` (a
     folder, --tokenizer DIR), else the checkpoint's copy, else (a checkpoint without one) the folder
     its run's tokenizer.path names, else GPT-2's, each checked against the checkpoint's record.
     CorruptCheckpoint when the copy or the records differ from their checksums; DataError in one line

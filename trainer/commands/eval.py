@@ -44,7 +44,6 @@ from trainer.commands.args import ArgParser, folder_to_write, non_negative_int, 
 from trainer.commands.eval_harness import check_results_folder, harness_eval
 from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
 from trainer.config.validation import check_ranges
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.evals.hellaswag_file import hellaswag_file
@@ -57,6 +56,7 @@ from trainer.parallel import make_strategy, strategy_class
 from trainer.preflight.rundir import read_config_record
 from trainer.process.env import under_torchrun
 from trainer.process.runtime import init_runtime
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.from_checkpoint import (
     checkpoint_at_step,
     eval_weights_path,

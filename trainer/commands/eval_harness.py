@@ -34,17 +34,17 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.config.schema import LaunchConfig, from_dict, to_dict
-from trainer.data.hub import hub_unreachable
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, UserError
-from trainer.evals.shards import Shards
+from trainer.evals.dealing import Dealer
 from trainer.evals.task_data import not_cached, uncached_data
+from trainer.fetch.hub import hub_unreachable
 from trainer.io import check_writable_dir, not_a_folder, write_atomic, write_errors_as_user_errors
 from trainer.launch.workers import run_workers
 from trainer.model.gpt import build_model
 from trainer.observe.results import HARNESS_FILE, harness_table, table_console
 from trainer.preflight.rundir import read_config_record
 from trainer.process.runtime import init_runtime
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.from_checkpoint import (
     checkpoint_at_step,
     eval_weights_path,
@@ -174,7 +174,7 @@ def _score(job: dict, manager, rt) -> dict:
         model = build_model(cfg.model)
         load_weights(model, str(weights))
     load_s = time.perf_counter() - t0
-    lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, shards=Shards(rt),
+    lm = harness.DtrainLM(model, batch_size=job["batch_size"], device=rt.device, dealer=Dealer(rt),
                           tokenizer=load_tokenizer(job["tokenizer"]))  # the run's, as training encoded
     results, wall = harness.evaluate(lm, job["tasks"], manager, limit=job["limit"], num_fewshot=job["num_fewshot"],
                                      bootstrap_iters=job["bootstrap_iters"], log_samples=job["log_samples"])

@@ -37,11 +37,11 @@ import torch
 from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
 from trainer.commands.args import ArgParser, folder_to_write, non_negative_int
-from trainer.data.hf_tokenizer import write_hf_tokenizer
 from trainer.errors import UserError
 from trainer.huggingface.llama import export_family
 from trainer.huggingface.mapping import WEIGHTS_FILE, hf_config, safetensors_lib, to_hf_state_dict
 from trainer.io import check_room, check_writable_dir, new_file_mode, write_atomic, write_errors_as_user_errors
+from trainer.tokenizers.hf_files import write_hf_tokenizer
 from trainer.weights.from_checkpoint import checkpoint_of, model_from_run, tokenizer_of
 
 OUT_FIX = "choose another --out DIR"

@@ -9,8 +9,8 @@ from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
 from trainer.data.mixture import EXAMPLE
 from trainer.data.origin import describe_source, source_settings
-from trainer.data.prepare import is_prepared, prepare, source_changes
 from trainer.errors import DataError
+from trainer.prepare.pipeline import is_prepared, prepare, source_changes
 
 
 def cmd_prepare(argv: list[str]) -> None:

@@ -7,7 +7,7 @@ trains its own) is the usual answer. This one is GPT-2-style byte-level BPE (eve
 encodes; GPT-2's pre-tokenizer split), with `<|endoftext|>` as its one special token, the document
 separator, trained by the `tokenizers` library (pip install 'dtrain[tokenizers]') on the text of the
 train split `dtrain prepare` will write with it, never on the validation split's
-(trainer/data/tokenizer_training.py). The same text and settings give the same tokenizer. OUT gets
+(trainer/prepare/tokenizer_training.py). The same text and settings give the same tokenizer. OUT gets
 `tokenizer.json` and `tokenizer_config.json`, so `AutoTokenizer.from_pretrained(OUT)` reads it too,
 and the command prints the time it took and the bytes per token it reaches on the dataset's text.
 
@@ -29,14 +29,14 @@ from trainer.checkpoint.layout import enclosing_checkpoint
 from trainer.commands.args import ArgParser, folder_to_write
 from trainer.config.compose import compose
 from trainer.config.validation import check_ranges
-from trainer.data import sources
 from trainer.data.hints import use_tokenizer_command
-from trainer.data.prepare import as_data_cfg
-from trainer.data.tokenizer_training import EOT_TOKEN, fit_train_split
-from trainer.data.tokenizers import HF_EXTRA, TOKENIZER_FILE, TOKENIZER_FILES, load_tokenizer
+from trainer.data.layout import as_data_cfg
 from trainer.errors import DataError, UserError
 from trainer.io import check_writable_dir, new_file_mode, write_atomic
+from trainer.prepare import sources
+from trainer.prepare.tokenizer_training import EOT_TOKEN, fit_train_split
 from trainer.process.joblog import say
+from trainer.tokenizers.load import HF_EXTRA, TOKENIZER_FILE, TOKENIZER_FILES, load_tokenizer
 
 # A Hugging Face folder's files that add tokens beside tokenizer.json: gone when --force replaces it.
 STALE_FILES = ("special_tokens_map.json", "added_tokens.json")

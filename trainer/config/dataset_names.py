@@ -23,6 +23,9 @@ UNNAMED = "hf"  # data.name of `data=hf` while data.hf_path is unset: a reserved
 # data.name of `data=text` while data.source is unset: what such a run reads unless a dataset of that
 # name was prepared (by a dtrain before derived names) or data.name names one
 TEXT_UNNAMED = "text"
+# The corpora read by name, each in a format of its own (trainer/prepare/sources.py reads them; a
+# message's `dtrain prepare` line, trainer/data/hints.py, knows them without importing the preparation).
+CORPUS_NAMES = ("shakespeare", "tinyshakespeare")
 # The conf/data presets, as `dtrain prepare data=NAME` names them (data=hf derives its name).
 DATASETS = ("shakespeare", "tinyshakespeare", TEXT_UNNAMED, "fineweb_edu")
 DEFAULT_TEXT_FIELD = "text"  # the field every dataset read before data.text_field existed

@@ -109,7 +109,7 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """The `tokenizer` group (trainer/data/tokenizers.py): gpt2, or hf with path=DIR (a folder with a
+    """The `tokenizer` group (trainer/tokenizers/load.py): gpt2, or hf with path=DIR (a folder with a
     Hugging Face tokenizer.json)."""
 
     name: str = "gpt2"

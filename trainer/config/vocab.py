@@ -2,7 +2,7 @@
 the standard library alone (the checks run before torch and before the `tokenizers` library): the
 OmegaConf resolvers behind model.vocab_size's default (the tokenizer's size) and conf/tokenizer/
 auto.yaml (model.init_from's own tokenizer), and the tag of a non-GPT-2 tokenizer's datasets.
-trainer/data/tokenizers.py loads the tokenizers themselves."""
+trainer/tokenizers/load.py loads the tokenizers themselves."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-# GPT-2's ids (trainer/data/tokenizer.py's VOCAB_SIZE, kept here so that checking a config imports
+# GPT-2's ids (trainer/tokenizers/gpt2.py's VOCAB_SIZE, kept here so that checking a config imports
 # no tokenizer; a test keeps them equal)
 TOKENIZER_VOCAB_SIZE = 50257
-TOKENIZERS = ("gpt2", "hf")  # the `tokenizer` group (trainer/data/tokenizers.py); auto resolves to one
+TOKENIZERS = ("gpt2", "hf")  # the `tokenizer` group (trainer/tokenizers/load.py); auto resolves to one
 VOCAB_RESOLVER = "dtrain_tokenizer_vocab"
 # A published checkpoint's marker and folder prefix (trainer/checkpoint/layout.py's MARKER and
 # STEP_PREFIX, kept here so that config imports nothing above it; a test keeps them equal)
@@ -72,7 +72,7 @@ def _facts(folder) -> tuple[int | None, bool, str] | None:
 def tokenizer_vocab_size(name: str, path: str | None, checkpoint: str | None = None) -> int:
     """How many ids the `tokenizer` config's tokenizer has, read from its tokenizer.json (stdlib
     only: the checks run before torch and before the `tokenizers` library). GPT-2's when it cannot
-    be read: the tokenizer's own check (trainer/data/tokenizers.py) then names what is wrong."""
+    be read: the tokenizer's own check (trainer/tokenizers/load.py) then names what is wrong."""
     folder = tokenizer_folder(path, checkpoint)
     facts = _facts(folder) if name == "hf" and folder else None
     return facts[0] if facts and facts[0] is not None else TOKENIZER_VOCAB_SIZE

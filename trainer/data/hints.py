@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.dataset_names import (
+    CORPUS_NAMES,
     DATASETS,
     DEFAULT_TEXT_FIELD,
     TEXT_SOURCE_NEEDED,
@@ -25,7 +26,6 @@ from trainer.config.dataset_names import (
 )
 from trainer.data.layout import as_data_cfg, default_data_dir
 from trainer.data.origin import with_recorded_source
-from trainer.data.sources import NAMED_CORPORA
 
 # data=hf's keys (conf/data/hf.yaml) that a prepare command repeats only when they differ from these
 HF_DEFAULTS = {"hf_name": None, "hf_split": "train", "text_field": DEFAULT_TEXT_FIELD}
@@ -68,7 +68,7 @@ def prepare_hint(data_cfg, force: bool = False) -> str:
     printed (the config or a record of data.name names its source, or the dataset is a preset's);
     else what is missing, data.source."""
     cfg = with_recorded_source(as_data_cfg(data_cfg))
-    if cfg.source or cfg.hf_path or cfg.name in NAMED_CORPORA:
+    if cfg.source or cfg.hf_path or cfg.name in CORPUS_NAMES:
         return f"run `{prepare_command(cfg, force)}`"
     if cfg.name == TEXT_UNNAMED:
         return TEXT_SOURCE_NEEDED

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 
 from trainer.data.layout import MANIFEST, as_data_cfg, dataset_dir
-from trainer.data.manifest import recorded_tokenizer
+from trainer.data.manifest import load_manifest, recorded_tokenizer
 from trainer.data.mixture import source_configs
-from trainer.data.prepare import load_manifest
 
 # The manifest's fields that say how its ids were made.
 TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "eot", "tokenizer_fingerprint")

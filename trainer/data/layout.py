@@ -1,7 +1,7 @@
 """Where a dataset lives on disk and the format of its files.
 
-Shared by the sources (their download cache), prepare (which writes a dataset), the shard writer
-and shards.py (which reads one), so none of them has to import another just for these.
+Shared by the sources (their download cache), the pipeline (which writes a dataset), the shard writer
+(trainer/prepare/) and shard_reader.py (which reads one), so none of them has to import another just for these.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 def as_data_cfg(data_cfg) -> DictConfig:
     """Accept a DictConfig (cfg.data), a DataConfig dataclass or a plain dict of DataConfig keys.
 
-    The public entry points (prepare, is_prepared, shards.read_manifest / open_split) call this
+    The public entry points (prepare, is_prepared, shard_reader.read_manifest / open_split) call this
     once; the helpers below them take the config it returns."""
     if isinstance(data_cfg, DictConfig):
         return data_cfg
@@ -60,7 +60,7 @@ def val_token_count(total: int, val_fraction: float) -> int:
 
 
 def dataset_dir(data_cfg) -> Path:
-    """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (prepare.as_data_cfg).
+    """``<data.dir>/<data.name>`` with ``~`` expanded, for a typed data config (as_data_cfg).
     A name that is not one folder name (empty, '..', a path) is refused here too, so that no caller
     reads or writes a dataset outside data.dir (the config's checks refuse it first)."""
     check_dataset_name(data_cfg)

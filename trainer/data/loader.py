@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer.data.shards import out_of_vocabulary
-from trainer.data.tokenizer import VOCAB_SIZE
+from trainer.data.shard_reader import out_of_vocabulary
 from trainer.errors import DataError
+from trainer.tokenizers.gpt2 import VOCAB_SIZE
 
 
 class ShardLoader:

@@ -1,6 +1,6 @@
 """What a prepared dataset's manifest.json must hold, checked as a whole before anything reads it.
 
-A manifest is written by prepare.py in one piece; one edited by hand, written by another tool or
+A manifest is written by trainer/prepare/pipeline.py in one piece; one edited by hand, written by another tool or
 damaged on disk would otherwise fail deep in a reader (a KeyError on a shard entry, a string where a
 token count belongs, ids of another tokenizer trained as GPT-2's). `schema_problem` names the first
 thing that is not as prepare writes it; `tokenizer_problem` names a tokenizer other than this
@@ -9,10 +9,12 @@ dtrain's. The callers turn either into one line with the `dtrain prepare ... --f
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from trainer.data.layout import DTYPES, FORMAT
-from trainer.data.tokenizer import GPT2_FINGERPRINT
+from trainer.tokenizers.gpt2 import GPT2_FINGERPRINT
 
 # A shard's file is a plain name in the dataset folder (prepare's `<split>_NNNNNN.bin`): never a
 # path that could point a reader outside it.
@@ -118,7 +120,7 @@ def _entry_problem(entry) -> str | None:
 
 
 def recorded_tokenizer(manifest: dict) -> dict:
-    """The tokenizer identity a manifest records (trainer/data/tokenizers.py identity_of). A manifest
+    """The tokenizer identity a manifest records (trainer/tokenizers/load.py identity_of). A manifest
     of a dtrain before fingerprints is GPT-2's when it says so: the only tokenizer it could prepare."""
     recorded = {key: manifest.get(key) for key in ("tokenizer", "vocab_size", "eot", "tokenizer_fingerprint")}
     if recorded["tokenizer_fingerprint"] is None and recorded["tokenizer"] == "gpt2":
@@ -149,3 +151,15 @@ def format_problem(manifest: dict) -> str | None:
         return (f"format {manifest.get('format')!r} / dtype {manifest.get('dtype')!r}, this dtrain reads "
                 f"format {FORMAT} / {' or '.join(DTYPES)}")
     return None
+
+
+def load_manifest(path: Path) -> dict | None:
+    """The parsed manifest, or None when it is missing, unreadable or not as prepare writes it
+    (shard_reader.read_manifest says which, in one line)."""
+    try:
+        m = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict) or format_problem(m) or schema_problem(m):
+        return None
+    return m

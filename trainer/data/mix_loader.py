@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from trainer.data.mixture import Schedule
-from trainer.data.shards import out_of_vocabulary
+from trainer.data.shard_reader import out_of_vocabulary
 from trainer.errors import DataError
 from trainer.process.joblog import say
 

@@ -21,9 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config.keys import is_weight, normalized_weights
 from trainer.data.hints import prepare_hint
 from trainer.data.layout import MANIFEST, as_data_cfg, dataset_dir, prepared_folders
-from trainer.data.manifest import describe_tokenizer, recorded_tokenizer
-from trainer.data.prepare import load_manifest, refuse_foreign_tokenizer, run_tokenizer
-from trainer.data.shards import open_split
+from trainer.data.manifest import describe_tokenizer, load_manifest, recorded_tokenizer
+from trainer.data.shard_reader import open_split, refuse_foreign_tokenizer, run_tokenizer
 from trainer.errors import ConfigError, DataError
 
 MIX_NAME = "mix"  # conf/data/mix.yaml's data.name

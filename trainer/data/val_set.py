@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from trainer.data.shards import out_of_vocabulary
+from trainer.data.shard_reader import out_of_vocabulary
 from trainer.errors import DataError
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.model.decode import Sampling, generate
+from trainer.tokenizers.load import GPT2Tokenizer
 
 
 @torch.no_grad()
@@ -26,7 +26,7 @@ def generate_text(
     tokenizer=None,
 ) -> str:
     """The prompt and its continuation. The same seed gives the same text; an empty prompt starts
-    from the end-of-text token; temperature 0 is greedy. `tokenizer`: the run's (trainer/data/tokenizers.py;
+    from the end-of-text token; temperature 0 is greedy. `tokenizer`: the run's (trainer/tokenizers/load.py;
     GPT-2's by default). `model` is a GPT or a wrapped model's inference
     view (its forward is GPT's), decoded with the KV cache (trainer/model/decode.py); `autocast` is
     the strategy's, where the model trains in mixed precision. Ids in the padded part of the

@@ -7,9 +7,9 @@ requests with the same input sharing one forward, contexts truncated from the le
 block size, right padding (causal attention keeps it out of every scored position), log-softmax
 over the real vocabulary at the continuation's positions only; rolling loglikelihoods in the
 harness's disjoint windows; generation with the KV cache (left-padded batches), greedy unless the
-task samples, stopping at `until`, <|endoftext|> or max_gen_toks. With `shards` over N workers
+task samples, stopping at `until`, <|endoftext|> or max_gen_toks. With a `dealer` over N workers
 (`dtrain eval ... world=N`) each batch is scored on one of them and every worker gets all results
-(trainer/evals/shards.py). Imports lm_eval at the top: the eval command imports this module only
+(trainer/evals/dealing.py). Imports lm_eval at the top: the eval command imports this module only
 for --tasks.
 """
 
@@ -30,12 +30,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager, get_task_dict
 
-from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, UserError
-from trainer.evals.shards import Shards
+from trainer.evals.dealing import Dealer
 from trainer.evals.task_data import not_cached
 from trainer.io import first_line, write_atomic
 from trainer.model.decode import Sampling, generate
+from trainer.tokenizers.load import GPT2Tokenizer
 
 HARNESS_VERSION = lm_eval.__version__
 # What generate_until understands of a task's generation_kwargs (after the harness normalized them).
@@ -65,15 +65,15 @@ class DtrainLM(TemplateLM):
     backend = "causal"
 
     def __init__(self, model: torch.nn.Module, batch_size: int = 8, device: str | torch.device = "cpu",
-                 max_gen_toks: int = 256, shards: Shards | None = None, seed: int = 1234, tokenizer=None):
+                 max_gen_toks: int = 256, dealer: Dealer | None = None, seed: int = 1234, tokenizer=None):
         super().__init__()
         self._device = torch.device(device)
         self.model = model.to(self._device).eval()
-        self.enc = tokenizer or GPT2Tokenizer()  # the run's (trainer/data/tokenizers.py)
+        self.enc = tokenizer or GPT2Tokenizer()  # the run's (trainer/tokenizers/load.py)
         self.batch_size = batch_size
         self.max_length = model.config.block_size
         self.max_gen_toks = max_gen_toks
-        self.shards = shards or Shards()
+        self.dealer = dealer or Dealer()
         self.seed = seed
         self.requests: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
@@ -108,7 +108,7 @@ class DtrainLM(TemplateLM):
         batches = [[(list(inp), readers[inp]) for inp in inputs[i: i + self.batch_size]]
                    for i in range(0, len(inputs), self.batch_size)]
         res: list = [None] * len(requests)
-        for index, scored in self.shards.map(batches, self._score_batch):
+        for index, scored in self.dealer.map(batches, self._score_batch):
             res[index] = scored
         for (strings, _, _), scored in zip(requests, res):
             if strings is not None:
@@ -153,7 +153,7 @@ class DtrainLM(TemplateLM):
         self.requests["loglikelihood"] += len(windows)  # each window is one, as in HFLM
         rows = [((ctx + cont)[-(self.max_length + 1):][:-1], [(i, cont)]) for i, (ctx, cont) in enumerate(windows)]
         batches = [rows[i: i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        scores = [scored[0] for _, scored in sorted(self.shards.map(batches, self._score_batch))]
+        scores = [scored[0] for _, scored in sorted(self.dealer.map(batches, self._score_batch))]
         out, at = [], 0
         for req, n in zip(requests, counts):
             out.append(sum(scores[at: at + n]))
@@ -183,7 +183,7 @@ class DtrainLM(TemplateLM):
             batches += [[(i, prompts[i], seeds[i], settings) for i in indices[j: j + self.batch_size]]
                         for j in range(0, len(indices), self.batch_size)]
         res: list = [None] * len(requests)
-        for index, text in self.shards.map(batches, self._generate_batch):
+        for index, text in self.dealer.map(batches, self._generate_batch):
             res[index] = text
         for (context, gen_kwargs), text in zip(args, res):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.data.tokenizers import GPT2Tokenizer
 from trainer.errors import ConfigError, DataError
 from trainer.evals.hellaswag_file import N_ENDINGS, Example, hellaswag_file, read_examples
+from trainer.tokenizers.load import GPT2Tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class EncodedExample:
 
 
 def encode_example(ex: Example, enc) -> EncodedExample:
-    """Context and endings as the run's tokens (`enc`: a trainer/data/tokenizers.py tokenizer); each
+    """Context and endings as the run's tokens (`enc`: a trainer/tokenizers/load.py tokenizer); each
     ending gets a leading space, as the reference does.
 
     An empty context becomes the end-of-text token, so that every ending token has something before
@@ -161,7 +161,7 @@ class HellaSwagEval:
     @classmethod
     def from_config(cls, cfg, rt, tokenizer) -> HellaSwagEval:
         """Rank 0 finds (downloads) and reads the file and shares the examples with every rank;
-        `tokenizer` encodes them (the run's: trainer/data/tokenizers.py)."""
+        `tokenizer` encodes them (the run's: trainer/tokenizers/load.py)."""
         limit = cfg.eval.limit
         if limit is not None and limit < 1:
             raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 
 from rich.console import Console
 
-from trainer.data.downloads import download
 from trainer.errors import DataError
+from trainer.fetch.downloads import download
 from trainer.io import one_line, sha256_file, write_atomic
 
 N_ENDINGS = 4

@@ -1,6 +1,6 @@
 """Whether a built-in task's data can be read offline, answered before lm-evaluation-harness is imported.
 
-Offline (trainer/data/hub.py), a task whose data is not cached can only fail, and finding that out
+Offline (trainer/fetch/hub.py), a task whose data is not cached can only fail, and finding that out
 the harness's way (import it, build the task, let `datasets` look in its cache) takes seconds. So the
 task index's cache (task_index.py) keeps beside each index the YAML file of every built-in task by
 name; a task's YAML names its dataset (`dataset_path`, perhaps through an `include`), and the Hub's
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from trainer.data.tokenizer import cache_dir
 from trainer.io import write_atomic
+from trainer.tokenizers.gpt2 import cache_dir
 
 # `datasets` builders that read files named in the YAML (dataset_kwargs), not a dataset on the Hub.
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "imagefolder", "audiofolder")

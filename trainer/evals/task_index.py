@@ -27,9 +27,9 @@ from pathlib import Path
 import lm_eval.tasks as harness_tasks
 from lm_eval.tasks import TaskManager
 
-from trainer.data.tokenizer import cache_dir
 from trainer.evals.task_data import folder_key, index_stem, keep_task_files, task_files_path
 from trainer.io import write_atomic
+from trainer.tokenizers.gpt2 import cache_dir
 
 try:  # lm-eval >= 0.4.10: the index as its own class, entries by kind
     from lm_eval.tasks._index import Kind, TaskIndex

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.fit.run import Run
@@ -24,6 +23,7 @@ from trainer.optim.build import describe_split
 from trainer.process.joblog import job_log
 from trainer.process.runtime import Runtime
 from trainer.process.signals import at_step_boundary
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.init_from import start_from_weights
 
 

@@ -14,8 +14,7 @@ from trainer.config.schema import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.mix_loader import MixtureLoader
 from trainer.data.mixture import mixed_figures, mixture_weights, source_configs
-from trainer.data.shards import open_split, redo_command
-from trainer.data.tokenizers import load_tokenizer
+from trainer.data.shard_reader import open_split, redo_command
 from trainer.data.val_set import ValidationSet
 from trainer.evals.generate import generate_text
 from trainer.fit.nonfinite import NonFiniteGuard
@@ -25,6 +24,7 @@ from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
 from trainer.process.joblog import say
 from trainer.process.runtime import Runtime
+from trainer.tokenizers.load import load_tokenizer
 
 
 @dataclass

@@ -18,8 +18,8 @@ What differs between our Llama-shaped GPT and transformers' LlamaForCausalLM:
 from __future__ import annotations
 
 from trainer.config.shape import mlp_width
-from trainer.data.tokenizer import EOT
 from trainer.errors import CheckpointError, ConfigError
+from trainer.tokenizers.gpt2 import EOT
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LLAMA_TYPES = ("llama", "qwen3")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.data.tokenizer import EOT
 from trainer.errors import UserError
 from trainer.huggingface.llama import export_family, file_key, llama_config, llama_parts
+from trainer.tokenizers.gpt2 import EOT
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 WEIGHTS_FILE = "model.safetensors"

@@ -16,16 +16,16 @@ from trainer.data.hints import prepare_command
 from trainer.data.in_use import hold_for_reading
 from trainer.data.layout import as_data_cfg, dataset_dir, val_token_count
 from trainer.data.mixture import check_mixture_data, mixture_weights
-from trainer.data.prepare import check_prepared_source, check_source, is_prepared, prepare
-from trainer.data.shards import open_split
-from trainer.data.tokenizers import load_tokenizer
+from trainer.data.shard_reader import open_split
 from trainer.errors import DataError
 from trainer.evals.hellaswag_file import check_hellaswag_file
 from trainer.observe.metrics import require_tracker
 from trainer.preflight.continuation import check_continuation, check_same_data
 from trainer.preflight.run_tokenizer import Pin, unpinned
 from trainer.preflight.rundir import RunDirLock, RunDirState, check_run_dir, write_config_record
+from trainer.prepare.pipeline import check_prepared_source, check_source, is_prepared, prepare
 from trainer.process.env import restart_count
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.init_source import check_init_source
 
 

@@ -26,9 +26,9 @@ from trainer.checkpoint.records import read_trainer_state
 from trainer.checkpoint.tokenizer_copy import checkpoint_tokenizer, has_copy, recorded_tokenizer
 from trainer.data.identity import tokenizer_changes
 from trainer.data.manifest import describe_tokenizer
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import CheckpointError, DataError
 from trainer.process.env import restart_count
+from trainer.tokenizers.load import load_tokenizer
 
 
 @dataclass(frozen=True)

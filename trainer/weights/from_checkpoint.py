@@ -26,11 +26,11 @@ from trainer.checkpoint.records import read_checkpoint_config
 from trainer.checkpoint.selection import newest_intact
 from trainer.checkpoint.tokenizer_copy import checkpoint_tokenizer
 from trainer.config.schema import from_dict
-from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import CheckpointError
 from trainer.io import dotted_keys, first_line
 from trainer.model.gpt import build_model
 from trainer.parallel.base import tied_aliases
+from trainer.tokenizers.load import load_tokenizer
 
 
 def load_model_weights(model: torch.nn.Module, ckpt_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""Open a prepared dataset's shards as read-only memory maps (uint16 or uint32), after checking them."""
+"""Open a prepared dataset's shards as read-only memory maps (uint16 or uint32), after checking them:
+the manifest as a whole, the run's tokenizer against the one it records, each shard's size (and ids)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from omegaconf import DictConfig
 
 from trainer.data.hints import prepare_hint
 from trainer.data.layout import DTYPES, MANIFEST, as_data_cfg, dataset_dir
-from trainer.data.manifest import format_problem, schema_problem
-from trainer.data.prepare import refuse_foreign_tokenizer
+from trainer.data.manifest import describe_tokenizer, format_problem, schema_problem, tokenizer_problem
 from trainer.errors import DataError
 from trainer.io import nearest_existing
+from trainer.tokenizers.load import load_tokenizer
 
 VERIFY_MODES = ("size", "sha256", "auto")
 AUTO_SHA256_LIMIT = 1 << 30  # verify="auto" hashes splits smaller than this
@@ -50,6 +51,22 @@ def _checked_manifest(cfg: DictConfig, root: Path) -> dict:
         raise DataError(f"{path} is not a manifest as dtrain prepare writes it: {problem}; {redo}")
     refuse_foreign_tokenizer(cfg, path, manifest)
     return manifest
+
+
+def run_tokenizer(cfg: DictConfig) -> dict:
+    """The identity of the tokenizer the config names (cfg.tokenizer: the run's `tokenizer` group)."""
+    return load_tokenizer(cfg.tokenizer).identity
+
+
+def refuse_foreign_tokenizer(cfg: DictConfig, path: Path, manifest: dict) -> None:
+    """DataError when the manifest records another tokenizer than the run's: its ids would be read
+    as another vocabulary's."""
+    ours = run_tokenizer(cfg)
+    problem = tokenizer_problem(manifest, ours)
+    if problem:
+        raise DataError(f"{path} records {problem}, but this run's tokenizer is {describe_tokenizer(ours)}; "
+                        "set tokenizer=... to the one the data was prepared with, or prepare it again with "
+                        f"this one: {prepare_hint(cfg, force=True)}")
 
 
 def open_split(data_cfg, split: str) -> list[np.memmap]:

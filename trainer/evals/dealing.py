@@ -17,7 +17,7 @@ Batch = TypeVar("Batch")
 Item = TypeVar("Item")
 
 
-class Shards:
+class Dealer:
     def __init__(self, rt: Runtime | None = None):
         self.rt = rt
         self.rank = rt.rank if rt else 0

@@ -8,7 +8,7 @@ Layout of ``<data.dir>/<data.name>/``::
     raw/                   cached downloads (source archives), kept across re-prepares
 
 The token stream is ``EOT doc0 EOT doc1 ...`` (the tokenizer's end-of-text id, GPT-2's 50256, separates
-documents; the `tokenizer` group picks the tokenizer, trainer/data/tokenizers.py). The validation
+documents; the `tokenizer` group picks the tokenizer, trainer/tokenizers/load.py). The validation
 split is the last ``val_fraction`` of the stream (cut at a token), train is the rest, so a
 dataset of a single document still gets both splits.
 
@@ -40,17 +40,10 @@ from rich.progress import (
 )
 
 from trainer.config.dataset_names import DEFAULT_TEXT_FIELD, resolve_local, where
-from trainer.data import sources
-from trainer.data.hints import prepare_command, prepare_hint
+from trainer.data.hints import prepare_command
 from trainer.data.in_use import rewriting
 from trainer.data.layout import DTYPES, FORMAT, MANIFEST, as_data_cfg, dataset_dir, val_token_count
-from trainer.data.manifest import (
-    SETTINGS_KEYS,
-    describe_tokenizer,
-    format_problem,
-    schema_problem,
-    tokenizer_problem,
-)
+from trainer.data.manifest import SETTINGS_KEYS, load_manifest, tokenizer_problem
 from trainer.data.origin import (
     describe_source,
     file_changes,
@@ -61,11 +54,13 @@ from trainer.data.origin import (
     source_settings,
     with_recorded_source,
 )
-from trainer.data.shard_writer import StreamWriter, split_stream
-from trainer.data.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
-from trainer.data.tokenizers import load_tokenizer, shard_dtype
+from trainer.data.shard_reader import refuse_foreign_tokenizer, run_tokenizer
 from trainer.errors import DataError
 from trainer.io import check_writable_dir, first_missing, sha256_file, write_errors_as_user_errors
+from trainer.prepare import sources
+from trainer.prepare.shard_writer import StreamWriter, split_stream
+from trainer.prepare.tokenize_pool import PIECE_CHARS, encoding_pool, piece_batches
+from trainer.tokenizers.load import load_tokenizer, shard_dtype
 
 # ------------------------------------------------------------------------------------- config
 
@@ -86,37 +81,6 @@ def settings_of(cfg: DictConfig) -> dict:
     if cfg.get("text_field", DEFAULT_TEXT_FIELD) != DEFAULT_TEXT_FIELD:
         out["text_field"] = cfg.text_field
     return out
-
-
-# ----------------------------------------------------------------------------------- manifest
-
-
-def load_manifest(path: Path) -> dict | None:
-    """The parsed manifest, or None when it is missing, unreadable or not as prepare writes it
-    (shards.read_manifest says which, in one line)."""
-    try:
-        m = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(m, dict) or format_problem(m) or schema_problem(m):
-        return None
-    return m
-
-
-def run_tokenizer(cfg: DictConfig) -> dict:
-    """The identity of the tokenizer the config names (cfg.tokenizer: the run's `tokenizer` group)."""
-    return load_tokenizer(cfg.tokenizer).identity
-
-
-def refuse_foreign_tokenizer(cfg: DictConfig, path: Path, manifest: dict) -> None:
-    """DataError when the manifest records another tokenizer than the run's: its ids would be read
-    as another vocabulary's."""
-    ours = run_tokenizer(cfg)
-    problem = tokenizer_problem(manifest, ours)
-    if problem:
-        raise DataError(f"{path} records {problem}, but this run's tokenizer is {describe_tokenizer(ours)}; "
-                        "set tokenizer=... to the one the data was prepared with, or prepare it again with "
-                        f"this one: {prepare_hint(cfg, force=True)}")
 
 
 def _files_intact(root: Path, manifest: dict) -> bool:

@@ -1,6 +1,6 @@
 """The tokenizer a run's ids come from (the `tokenizer` config group), behind one interface.
 
-    tokenizer=gpt2                    GPT-2's BPE through tiktoken (trainer/data/tokenizer.py), offline
+    tokenizer=gpt2                    GPT-2's BPE through tiktoken (trainer/tokenizers/gpt2.py), offline
     tokenizer=hf tokenizer.path=DIR   a Hugging Face `tokenizer.json` in DIR (a model folder, or one
                                       `dtrain tokenizer train` wrote), through the `tokenizers` library
 
@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config.vocab import tokenizer_folder
-from trainer.data import tokenizer as gpt2
-from trainer.data.hf_tokenizer import bytes_to_unicode, hf_tokenizer_files
 from trainer.errors import DataError
 from trainer.io import sha256_bytes
+from trainer.tokenizers import gpt2
+from trainer.tokenizers.hf_files import bytes_to_unicode, hf_tokenizer_files
 
 # Ids up to this many fit uint16 shards; a larger vocabulary is written as uint32.
 UINT16_IDS = 1 << 16
@@ -50,11 +50,11 @@ class GPT2Tokenizer:
     eot = gpt2.EOT
     fingerprint = gpt2.GPT2_FINGERPRINT
     # GPT-2's pre-tokenizer always splits at a newline between non-spaces, so prepare may cut a long
-    # document there and encode the pieces apart (trainer/data/tokenize_pool.py)
+    # document there and encode the pieces apart (trainer/prepare/tokenize_pool.py)
     cuts_documents = True
     path = None
     # Nothing to copy into a checkpoint: the vocabulary is built in, and every load checks the ranks'
-    # sha256, which the fingerprint is the start of (trainer/data/tokenizer.py).
+    # sha256, which the fingerprint is the start of (trainer/tokenizers/gpt2.py).
     files: dict[str, bytes] = {}
 
     def encode(self, text: str) -> np.ndarray:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer.data.tokenizer import EOT, gpt2_encoding
 from trainer.io import write_atomic
+from trainer.tokenizers.gpt2 import EOT, gpt2_encoding
 
 EOT_TEXT = "<|endoftext|>"
 # sha256 of OpenAI's published GPT-2 encoder.json and vocab.bpe (tiktoken_ext/openai_public.py
@@ -63,7 +63,7 @@ def _merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
 
 
 def gpt2_ranks() -> dict[bytes, int]:
-    """The cached GPT-2 ranks (trainer.data.tokenizer fetches and verifies them)."""
+    """The cached GPT-2 ranks (trainer.tokenizers.gpt2 fetches and verifies them)."""
     return gpt2_encoding()._mergeable_ranks
 
 

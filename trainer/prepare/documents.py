@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.config.dataset_names import RECORD_SUFFIXES
-from trainer.data.hub import OFFLINE_SET, hub_unreachable
 from trainer.errors import DataError
+from trainer.fetch.hub import OFFLINE_SET, hub_unreachable
 from trainer.io import one_line
 
 EXTRA = "pip install 'dtrain[fineweb]'"  # the extra that brings `datasets` (and pyarrow)

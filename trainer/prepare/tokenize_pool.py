@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from trainer.data.layout import DTYPES
-from trainer.data.tokenizers import load_tokenizer, shard_dtype
+from trainer.tokenizers.load import load_tokenizer, shard_dtype
 
 PIECE_CHARS = 1 << 19  # text per pool task (and the size long documents are cut to)
 _SPEC: dict = {}  # the pool's tokenizer config (name, path): set in each worker by _init_worker

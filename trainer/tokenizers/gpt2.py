@@ -22,8 +22,8 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from trainer.data.downloads import PIP_TIMEOUT_S
 from trainer.errors import DataError
+from trainer.fetch.downloads import PIP_TIMEOUT_S
 from trainer.io import one_line, sha256_bytes, write_atomic
 
 EOT = 50256  # <|endoftext|>, the document separator

@@ -6,7 +6,7 @@ dtrain[tokenizers]). The same text and settings give the same tokenizer.
 
 The validation split `dtrain prepare` writes is the last data.val_fraction of the token stream
 (each document after the end-of-text id and encoded whole, as with any tokenizer=hf; the stream cut
-at data.max_tokens; trainer/data/prepare.py), so the text it starts at depends on the tokenizer
+at data.max_tokens; trainer/prepare/pipeline.py), so the text it starts at depends on the tokenizer
 being trained. The fit finds a cut that holds: train on the text before a cut, encode the stream
 as prepare will with the result, and when its validation split starts before the cut, move the cut
 there and train again. It stops once the split starts at or after the cut, so the tokenizer has
@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 
 from trainer.data.layout import val_token_count
-from trainer.data.tokenizers import HF_EXTRA
 from trainer.errors import DataError
+from trainer.tokenizers.load import HF_EXTRA
 
 EOT_TOKEN = "<|endoftext|>"
 
@@ -83,7 +83,7 @@ def _train(texts: list[str], vocab_size: int):
 def _val_start(docs: list[str], fitted, val_fraction: float, max_tokens: int | None) -> tuple[Position, int, int]:
     """Where the validation split of the stream prepare writes with `fitted` starts in the text, and
     the stream's text tokens and their UTF-8 bytes (up to data.max_tokens)."""
-    # encoded as trainer/data/tokenizers.py's HFTokenizer encodes a document: a special token's text is text
+    # encoded as trainer/tokenizers/load.py's HFTokenizer encodes a document: a special token's text is text
     reader = type(fitted).from_str(fitted.to_str())
     reader.encode_special_tokens = True
     encodings = reader.encode_batch(docs, add_special_tokens=False) if docs else []
