@@ -4,7 +4,7 @@ one process within 1e-5 in none, dp, ddp, zero, zero_torch and fsdp at world 2, 
 after kill -9 under fsdp, a resharded resume (zero's row-sharded state into zero_torch's whole
 parameters), and `dtrain plan` counting its one state tensor (AdamW keeps two) as measured.
 
-Every run trains the parity reference's 16 steps of 256 tokens (conftest.REFERENCE_BATCH) and
+Every run trains the parity reference's 16 steps of 256 tokens (helpers.runs.REFERENCE_BATCH) and
 saves a checkpoint every 4, so a mode's parity run is also its resume test's reference.
 """
 
