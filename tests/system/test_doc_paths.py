@@ -17,7 +17,6 @@ import tokenize
 from functools import cache
 from pathlib import Path
 
-import pytest
 from helpers.dtrain import REPO
 
 TRAINER = REPO / "trainer"
@@ -124,10 +123,10 @@ def stale_names(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", PAGES + SOURCES, ids=lambda p: p.relative_to(REPO).as_posix())
-def test_every_path_named_in_prose_exists(path):
-    stale = stale_names(prose(path.read_text(), markdown=path.suffix == ".md"))
-    assert not stale, f"{path.relative_to(REPO)} names what is not in the tree: {stale}"
+def test_every_path_named_in_prose_exists():
+    stale = {path.relative_to(REPO).as_posix(): names for path in PAGES + SOURCES
+             if (names := stale_names(prose(path.read_text(), markdown=path.suffix == ".md")))}
+    assert not stale, "named but not in the tree:\n" + "\n".join(f"  {path}: {names}" for path, names in stale.items())
 
 
 def test_the_path_checks_can_fail():
