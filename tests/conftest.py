@@ -6,10 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.checkpoints import checkpointed_tiny_run
 from helpers.dtrain import corpus_text, run_dtrain, tiny_args, train_losses
-from helpers.evals import BATCH, evaluate, write_tasks
+from helpers.evals import BATCH, evaluate, make_examples, write_jsonl, write_tasks
 from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, reference_run
+
+from trainer.commands.export import cmd_export
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
+from trainer.fit.run import Run
+from trainer.preflight.rundir import write_config_record
+from trainer.process.runtime import Runtime
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +77,14 @@ def trained(tmp_path_factory):
     return run_dir, model.eval()
 
 
+@pytest.fixture(scope="module")
+def hf_folder(trained, tmp_path_factory) -> Path:
+    """`trained`'s run exported as a Hugging Face folder (test_export, test_export_pipeline)."""
+    out = tmp_path_factory.mktemp("hf") / "export"
+    cmd_export([str(trained[0]), "--out", str(out)])
+    return out
+
+
 # --- lm-evaluation-harness: one of each per session for test_harness and test_harness_workers ------
 @pytest.fixture(scope="session")
 def harness_run(data_dir, tmp_path_factory) -> Path:
@@ -100,3 +116,27 @@ def harness_world1(harness_run, harness_tasks) -> tuple[dict, dict[str, list[dic
     """`dtrain eval --tasks` at world 1: its record and per-request samples (test_harness compares
     them with the `hf` model, test_harness_workers with world 2)."""
     return evaluate(harness_run, harness_tasks)
+
+
+# --- HellaSwag: one trained run per session for test_hellaswag, test_hellaswag_workers, test_cli_errors
+@pytest.fixture(scope="session")
+def hellaswag_run(data_dir, tmp_path_factory):
+    """A tiny GPT trained for 24 steps (4 x 64 tokens each) on the session corpus through the
+    project's own Run, saved as a run dir (resolved config + state_dict), plus HellaSwag-format files
+    for it. (10 steps already take the easy set from chance to 43/43.) The tests that run `dtrain
+    eval` on it write only its eval_hellaswag.json."""
+    root = tmp_path_factory.mktemp("hellaswag")
+    run_dir = root / "run"
+    overrides = [a for a in tiny_args(data_dir, run_dir) if "=" in a and not a.startswith("hydra.")]
+    cfg = compose(overrides + ["train.max_steps=24", "optim.lr=3e-3", "data.val_fraction=0.1"])
+    run = Run(cfg, Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
+                           distributed=False), run_dir)
+    for step in range(cfg.train.max_steps):
+        run.train_step(step)
+    write_config_record(run_dir, to_dict(cfg))
+    torch.save(run.model.state_dict(), run_dir / "model.pt")
+    easy, hard = make_examples(corpus_text(), n_easy=43, n_hard=48)
+    files = {"easy": write_jsonl(root / "easy.jsonl", easy), "hard": write_jsonl(root / "hard.jsonl", hard),
+             "all": write_jsonl(root / "all.jsonl", easy + hard)}
+    model = run.model.eval()
+    return {"run_dir": run_dir, "cfg": cfg, "model": model, "files": files}

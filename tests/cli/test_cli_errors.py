@@ -133,3 +133,30 @@ def test_a_user_error_arrives_before_torch_is_imported(problem, data_dir, tmp_pa
                           text=True, env=dtrain_env(), timeout=120)
     assert "error:" in proc.stderr and "exit 2 no torch" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train.compile_mode=fast"], "train.compile_mode='fast' is unknown"),
+    (["train.compile_mode=reduce-overhead"], "needs train.compile=true"),
+    (["train.loss_chunks=0"], "train.loss_chunks=0 must be at least 1"),
+    (["train.seq_len=16", "train.loss_chunks=17"], "exceeds train.seq_len=16"),
+])
+def test_bad_values_are_one_line(args, needle, data_dir, tmp_path):
+    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", *args))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and needle in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_eval_command_errors(hellaswag_run, tmp_path):
+    run_dir = hellaswag_run["run_dir"]
+    proc = run_dtrain(["eval", str(tmp_path)])
+    assert proc.returncode == 2 and "not a dtrain run directory" in proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0}\nnot json\n')
+    proc = run_dtrain(["eval", str(run_dir), f"ckpt={run_dir / 'model.pt'}", f"eval.hellaswag.path={bad}"])
+    assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr, proc.stderr
+    proc = run_dtrain(["eval", str(run_dir), f"ckpt={run_dir / 'model.pt'}", "eval.nope=1"])
+    assert proc.returncode == 2 and "bad override" in proc.stderr, proc.stderr

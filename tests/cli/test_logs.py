@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import REPO, dtrain_env, read_metrics, tiny_args
-from helpers.runs import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS
+from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
+from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
 
 from trainer.observe.metrics import ProgressView
 from trainer.process.joblog import JOB_LOG_ENV, LOG, RANK_LINES_ENV, job_log
@@ -43,7 +43,7 @@ def test_without_a_terminal_every_logged_step_is_a_line_on_stdout_and_in_dtrain_
     """The session's parity runs (stdout a pipe, as under `| tee` or nohup): one line per step on
     stdout, the same lines once each in dtrain.log (rank 0 of the ddp run is a worker process, not
     the one Hydra's job logging set up); the losses are metrics.jsonl's."""
-    run_dir, stdout = shared_run(*REFERENCE_BATCH, *MODE_RUNS[mode])
+    run_dir, stdout = shared_run(*REFERENCE_BATCH, *on_reference_steps(mode))
     losses = {r["step"]: f"{r['loss']:.4f}" for r in read_metrics(run_dir) if "loss" in r}
     expected = [(step, losses[step]) for step in range(1, REFERENCE_STEPS + 1)]
     assert step_lines(stdout.splitlines()) == expected, stdout
@@ -60,7 +60,7 @@ def test_without_a_terminal_every_logged_step_is_a_line_on_stdout_and_in_dtrain_
 def test_a_worker_log_file_holds_what_its_worker_printed(shared_run):
     """Rank 1 of a world-2 run prints to the log file dtrain's launcher gives it: its start, one
     line per logged step and its end; rank 0's lines are the terminal's and dtrain.log's."""
-    run_dir, stdout = shared_run(*REFERENCE_BATCH, *MODE_RUNS["ddp"])
+    run_dir, stdout = shared_run(*REFERENCE_BATCH, *on_reference_steps("ddp"))
     (worker_log,) = run_dir.glob("logs/*/attempt_0/1/stdout.log")
     lines = worker_log.read_text().splitlines()
     assert lines[0].startswith("rank 1: pid ") and "world 2" in lines[0], lines
@@ -74,7 +74,7 @@ def test_the_summary_names_both_rates_and_the_training_one_is_the_step_lines(sha
     """The step lines measure tokens/s over training steps only; the summary's "training steps"
     figure is that measure over the whole run but its first step (all later logged windows together), and its wall-clock
     figure (evaluation and checkpoints included) is labelled as such."""
-    run_dir, stdout = shared_run(*REFERENCE_BATCH, *MODE_RUNS["none"])
+    run_dir, stdout = shared_run(*REFERENCE_BATCH, *on_reference_steps("none"))
     assert re.search(r"tokens/s \(training steps\)\s+│ [\d,]+ ", stdout), stdout
     assert re.search(r"tokens/s \(wall, with eval \+ ckpt\)\s+│ [\d,]+ ", stdout), stdout
     records = read_metrics(run_dir)
@@ -213,3 +213,19 @@ def test_a_run_on_a_terminal_shows_the_bar_and_no_plain_lines(data_dir, tmp_path
     assert "step 6/6" in shown[0] and "tok/s" in shown[0], shown[0]
     assert not re.search(r"step \d+/6 \| loss", shown[0]), shown[0]
     assert [step for step, _ in step_lines(job_log_messages(run_dir))] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_a_run_logs_val_bpb_beside_val_loss(data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = tiny_args(data_dir, run_dir, "train.max_steps=4")
+    args[args.index("train.val_interval=0")] = "train.val_interval=2"
+    proc = run_dtrain(args, check=True)
+    vals = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    assert [r["step"] for r in vals] == [2, 4] and all(0 < r["val_bpb"] < 20 for r in vals)
+    assert f"step 4: val loss {vals[-1]['val_loss']:.4f} | val bpb {vals[-1]['val_bpb']:.4f}" in proc.stdout
+    summary = read_metrics(run_dir)[-1]["summary"]
+    assert summary["final_val_bpb"] == pytest.approx(vals[-1]["val_bpb"])
+    assert "final val bpb" in proc.stdout
+    report = run_dtrain(["report", str(run_dir), f"--out={tmp_path / 'figures'}"], check=True)
+    assert "val bpb" in report.stdout and f"{vals[-1]['val_bpb']:.4f}" in report.stdout  # the results table's column

@@ -122,3 +122,16 @@ def test_plan_command_prints_every_mode():
 ])
 def test_bad_input_is_one_line(args, needle):
     assert_user_error(run_dtrain(["plan", "model=tiny", *args]), needle)
+
+
+def test_plan_device_cuda_runs_without_a_gpu():
+    env = {**dtrain_env(), "CUDA_VISIBLE_DEVICES": ""}
+    gpt2_32 = ["model=gpt2_124m", "model.pad_vocab_multiple=64", "train.micro_batch_size=32", "train.seq_len=1024"]
+    proc = run_dtrain(["plan", "--device", "cuda", *gpt2_32, "train.compile=true"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "cuda compiled" in out and "80 GiB H100 assumed" in out, proc.stdout
+    rows = [line.split("│") for line in proc.stdout.splitlines() if line.startswith("│")]
+    none_row = next(r for r in rows if r[1].strip().startswith("none"))
+    peak = none_row[8].split()
+    assert peak[1] == "GiB" and 20 < float(peak[0]) < 24, none_row  # 20.7 GiB of tensors + the CUDA context

@@ -8,14 +8,14 @@ from importlib.metadata import version
 
 import torch
 from helpers.dtrain import REPO, read_metrics
-from helpers.runs import MODE_RUNS, REFERENCE_BATCH
+from helpers.runs import REFERENCE_BATCH, on_reference_steps
 
 import trainer
 from trainer.observe.provenance import describe, git_commit
 
 
 def test_the_summary_names_what_ran(shared_run):
-    run_dir, stdout = shared_run(*REFERENCE_BATCH, *MODE_RUNS["ddp"])
+    run_dir, stdout = shared_run(*REFERENCE_BATCH, *on_reference_steps("ddp"))
     record = [r for r in read_metrics(run_dir) if "summary" in r][-1]
     ran = record["ran"]  # beside the summary's figures, which trackers log, not among them
     assert "ran" not in record["summary"]

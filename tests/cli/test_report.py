@@ -112,3 +112,34 @@ def test_report_shows_hellaswag_from_dtrain_eval_s_result_file(run_dir, tmp_path
     proc = run_dtrain(["report", str(run), "--out", str(tmp_path / "figures")])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0.3125" in proc.stdout
+
+
+def fake_point(sweep_dir: Path, num: int, overrides: list[str], val: float) -> None:
+    point = sweep_dir / str(num)
+    (point / ".hydra").mkdir(parents=True)
+    (point / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    records = [{"step": 1, "tokens": 256, "loss": val + 1, "lr": 1e-3, "tokens_per_s": 100.0},
+               {"step": 1, "tokens": 256, "val_loss": val},
+               {"step": 1, "tokens": 256, "summary": {"best_val_loss": val, "train_tokens_per_s": 100.0 + num}}]
+    (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_baseline_of_single_runs_is_one_error_line_and_writes_nothing(tmp_path):
+    pytest.importorskip("matplotlib")
+    sweep_dir = tmp_path / "sweep"
+    for num, lr in enumerate(("1e-3", "3e-3")):
+        fake_point(sweep_dir, num, [f"optim.lr={lr}"], 4.0 + num)
+    before = sorted(p.relative_to(sweep_dir) for p in sweep_dir.rglob("*"))
+    proc = run_dtrain(["report", str(sweep_dir), "--baseline", "optim.lr=1e-3"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --baseline asks for p-values, which need two runs or more per group, and optim.lr=1e-3 | "
+        "optim.lr=3e-3 has one: add seeds (sweep.seeds=3, or train.seed=0,1,2) or leave out --baseline"]
+    assert sorted(p.relative_to(sweep_dir) for p in sweep_dir.rglob("*")) == before
+
+    proc = run_dtrain(["report", str(sweep_dir)], check=True)  # without it: groups of one, nothing tested
+    report = json.loads((sweep_dir / "report.json").read_text())
+    assert report["comparisons"] == []
+    assert [(g["overrides"], g["n"]) for g in report["groups"]] == [(["optim.lr=1e-3"], 1), (["optim.lr=3e-3"], 1)]
+    assert report["groups"][1]["figures"]["best_val_loss"] == {"mean": 5.0, "sd": None, "ci95": None}
+    assert "seeds (train.seed) per group" not in proc.stdout  # no group of seeds: no seeds table

@@ -108,7 +108,7 @@ def test_every_range_holds_for_the_defaults():
     check_ranges(cfg)
     for key in RANGES:
         assert OmegaConf.select(cfg, key, default="absent") != "absent", key
-    assert TOKENIZER_VOCAB_SIZE == VOCAB_SIZE  # config.py's torch-free copy matches the tokenizer
+    assert TOKENIZER_VOCAB_SIZE == VOCAB_SIZE  # config/vocab.py's torch-free copy matches tokenizers/gpt2.py's
 
 
 def test_check_world_refuses_unsynced_training_but_not_eval():

@@ -17,7 +17,7 @@ from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import one_line_error
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import CKPT_ARGS, CKPT_NAMES, INTERVAL, MODES, STEPS
+from helpers.runs import CKPT_ARGS, CKPT_NAMES, INTERVAL, RESUMED_MODES, STEPS, checkpointed
 
 from trainer.checkpoint.layout import MARKER, checkpoint_step, is_complete, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.verify import read_metadata, validate_checkpoint
@@ -29,7 +29,7 @@ NEXT = "step_000009"  # what a resumed run with train.max_steps=9 saves (at its 
 
 # --- exactness: kill -9 and resume --------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])  # none: the busy-machine test below
+@pytest.mark.parametrize("mode", [m for m in RESUMED_MODES if m != "none"])  # none: the busy-machine test below
 def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_path):
     kill_and_resume_bitwise(mode, data_dir, references, tmp_path)
 
@@ -50,7 +50,7 @@ def test_bitwise_resume_holds_while_the_machine_is_busy(data_dir, references, tm
 def kill_and_resume_bitwise(mode, data_dir, references, tmp_path):
     reference = references(mode)
     run_dir = tmp_path / "run"
-    args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode])
+    args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed(mode))
     log = tmp_path / "killed.log"
     killed_at = kill_past_a_checkpoint(args, run_dir, log)
     resumed_from = checkpoint_step(latest_checkpoint(run_dir))
@@ -139,7 +139,7 @@ def test_bad_checkpoint_is_one_clear_error(kind, mode, data_dir, references, tmp
     before = {p.name: p.stat().st_size for p in ckpt.iterdir()}
     extra = ("model.n_layer=3",) if kind == "another model" else ()
     # An explicit checkpoint: extending a finished run's schedule (max_steps 8 -> 9) takes one.
-    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", *MODES[mode], *extra,
+    proc = run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, "train.max_steps=9", *checkpointed(mode), *extra,
                                 f"resume={ckpt}"))
     line = one_line_error(proc)
     assert expected in line and str(ckpt) in line, line

@@ -10,7 +10,7 @@ from pathlib import Path
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import tiny_args
 from helpers.processes import past_a_checkpoint, start_dtrain, wait_for
-from helpers.runs import CKPT_ARGS, MODES, STEPS
+from helpers.runs import CKPT_ARGS, STEPS, checkpointed
 
 
 def worker_pids(driver_pid: int) -> list[int]:
@@ -34,7 +34,7 @@ def test_killed_worker_is_restarted_and_the_run_matches(data_dir, references, tm
     reference = references("ddp")
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"
-    proc = start_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES["ddp"], "launch.max_restarts=1"), log)
+    proc = start_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed("ddp"), "launch.max_restarts=1"), log)
     try:
         wait_for(lambda: past_a_checkpoint(run_dir), proc, log)
         workers = worker_pids(proc.pid)

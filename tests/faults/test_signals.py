@@ -15,13 +15,13 @@ import pytest
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import run_dtrain, tiny_args
 from helpers.processes import STOP_LINE, alive, finish, logged, start_dtrain, wait_for, worker_pids
+from helpers.runs import MODES
 
 from trainer.checkpoint.layout import checkpoint_step, is_complete, latest_checkpoint
 
 STEPS = 16
 # No periodic checkpoint: the one the signal saves is the first (the save path from nothing).
 SIG_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")
-MODES = {"none": (), "ddp": ("parallel=ddp", "world=2")}
 ORPHAN_TRIALS, ORPHAN_DEADLINE_S = 3, 15
 _REFERENCES: dict[str, Path] = {}
 
@@ -35,7 +35,7 @@ def reference(data_dir, tmp_path_factory):
         if mode not in _REFERENCES:
             run_dir = root / mode
             shutil.rmtree(run_dir, ignore_errors=True)
-            run_dtrain(tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode]), check=True)
+            run_dtrain(tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode].launch), check=True)
             _REFERENCES[mode] = run_dir
         return _REFERENCES[mode]
 
@@ -54,7 +54,7 @@ def rank_of(pid: int) -> int | None:
 def start_and_wait(mode: str, data_dir: Path, run_dir: Path, log: Path, *extra: str, past_step: int = 0):
     """A run of `mode` started in its own process group, past step `past_step` (its first logged step
     by default), and its workers' pids (rank order; empty for a one-process run)."""
-    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode], *extra)
+    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode].launch, *extra)
     proc = start_dtrain(args, log)
     wait_for(lambda: logged(run_dir, at_least=past_step + 1), proc, log)
     workers = sorted(worker_pids(proc.pid), key=lambda pid: rank_of(pid) or 0) if mode != "none" else []
@@ -173,7 +173,7 @@ def group_stop(sig: signal.Signals, moment: str, data_dir: Path, run_dir: Path, 
     """A ddp run in its own process group, `sig` sent to the whole group (Slurm's --signal and
     scancel -s, Kubernetes: the driver, both workers and multiprocessing's resource tracker get it
     at once) while the workers still start ("startup": before their handlers are up) or train."""
-    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES["ddp"])
+    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES["ddp"].launch)
     proc = start_dtrain(args, log)
     if moment == "startup":
         wait_for(lambda: len(worker_pids(proc.pid)) == 2, proc, log)

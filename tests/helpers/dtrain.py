@@ -49,12 +49,20 @@ def run_dtrain(args: list[str], cwd: Path | None = None, check: bool = False, ti
     return proc
 
 
-def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    """A fast tiny-model training run on the session dataset."""
-    return ["train", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.max_steps=20", "train.log_interval=1", "train.val_interval=0", "train.val_tokens=512",
-            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
-            "optim.warmup_steps=5", f"hydra.run.dir={run_dir}", *extra]
+def tiny_args(data_dir: Path, run_dir: Path | None, *extra: str, sweep: bool = False) -> list[str]:
+    """A fast tiny-model training run on the session dataset into `run_dir`: 20 steps, no validation.
+    sweep=True: a sweep (`train -m`, its values in `extra`) of 6-step points validated at steps 3 and
+    6, into `run_dir` as hydra.sweep.dir (None: Hydra's default, multirun/ under the working folder)."""
+    if sweep:
+        command, into = ["train", "-m"], "sweep"
+        length = ["train.max_steps=6", "train.val_interval=3", "optim.warmup_steps=2"]
+    else:
+        command, into = ["train"], "run"
+        length = ["train.max_steps=20", "train.val_interval=0", "optim.warmup_steps=5"]
+    folder = [f"hydra.{into}.dir={run_dir}"] if run_dir is not None else []
+    return [*command, "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", *length,
+            "train.log_interval=1", "train.val_tokens=512", "train.sample_tokens=0", "train.progress=false",
+            "train.micro_batch_size=4", "train.seq_len=64", *folder, *extra]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -73,11 +81,3 @@ def args_with(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """tiny_args with `overrides` replacing the keys it sets (Hydra takes a key only once)."""
     keys = {o.split("=", 1)[0] for o in overrides}
     return [a for a in tiny_args(data_dir, run_dir) if a.split("=", 1)[0] not in keys] + list(overrides)
-
-
-def sweep_args(data_dir: Path, *extra: str) -> list[str]:
-    """A tiny-model sweep on the session dataset (the sweep values come in `extra`)."""
-    return ["train", "-m", "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.max_steps=6", "train.log_interval=1", "train.val_interval=3", "train.val_tokens=512",
-            "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4", "train.seq_len=64",
-            "optim.warmup_steps=2", *extra]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from helpers.dtrain import run_dtrain, tiny_args
 
@@ -18,16 +19,40 @@ ONE_PROCESS = ["parallel=none", "train.micro_batch_size=2"]  # the reference: ac
 # Muon's runs of the same batches (test_muon, test_compat): decay on, so fsdp's per-shard decay is
 # checked too, and a checkpoint every 4 steps, so a parity run is also a resume test's reference.
 MUON_BATCH = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", "checkpoint.interval=4"]
-# Each parallel mode at world 2 (or one process) on those 256-token steps, as test_parity,
-# test_muon and test_compat run them: micro batch x 32 tokens x world x accumulation = 256.
-MODE_RUNS = {
-    "none": ["parallel=none", "train.micro_batch_size=8"],
-    "dp": ["parallel=dp", "train.micro_batch_size=4"],
-    "ddp": ["parallel=ddp", "world=2", "train.micro_batch_size=4"],
-    "zero": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
-    "zero_torch": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
-    "fsdp": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+
+
+class Mode(NamedTuple):
+    """How the tests run one parallel mode."""
+
+    launch: tuple[str, ...]  # the mode and its world: every distributed mode at world 2
+    # the micro batch on the 256-token reference steps: micro batch x 32 tokens x world x accumulation = 256
+    reference_micro_batch: int
+    # what its checkpointed reference run (CKPT_ARGS) adds; None: the fault tests do not resume it
+    checkpointed: tuple[str, ...] | None
+
+
+MODES = {
+    "none": Mode(("parallel=none",), 8, ()),
+    "dp": Mode(("parallel=dp",), 4, None),
+    "ddp": Mode(("parallel=ddp", "world=2"), 4, ()),
+    "zero": Mode(("parallel=zero", "world=2"), 2, ("checkpoint.async_save=true",)),
+    # torch's ZeroRedundancyOptimizer: each rank saves the whole parameters it owns, by name
+    "zero_torch": Mode(("parallel=zero_torch", "world=2"), 2, ()),
+    "fsdp": Mode(("parallel=fsdp", "world=2"), 2, ()),
 }
+RESUMED_MODES = [name for name, mode in MODES.items() if mode.checkpointed is not None]
+
+
+def on_reference_steps(mode: str) -> list[str]:
+    """A mode's overrides on the 256-token reference steps, as test_parity, test_muon and test_compat
+    run them."""
+    return [*MODES[mode].launch, f"train.micro_batch_size={MODES[mode].reference_micro_batch}"]
+
+
+def checkpointed(mode: str) -> list[str]:
+    """A mode's overrides on top of CKPT_ARGS, as the fault tests run and resume it."""
+    assert MODES[mode].checkpointed is not None, f"the fault tests do not resume {mode}"
+    return [*MODES[mode].launch, *MODES[mode].checkpointed]
 
 
 def assert_matches_one_process(want: dict[int, float], got: dict[int, float], steps: int, case: str) -> None:
@@ -44,14 +69,6 @@ STEPS, INTERVAL = 8, 3
 # 4 x 64 x world x accum tokens.
 CKPT_ARGS = (f"train.max_steps={STEPS}", f"checkpoint.interval={INTERVAL}", "train.grad_accum_steps=2")
 CKPT_NAMES = ["step_000003", "step_000006", "step_000008"]  # keep=3, the default
-MODES = {  # mode -> overrides; every distributed mode at world 2
-    "none": (),
-    "ddp": ("parallel=ddp", "world=2"),
-    "zero": ("parallel=zero", "world=2", "checkpoint.async_save=true"),
-    # torch's ZeroRedundancyOptimizer: each rank saves the whole parameters it owns, by name
-    "zero_torch": ("parallel=zero_torch", "world=2"),
-    "fsdp": ("parallel=fsdp", "world=2"),
-}
 _REFERENCES: dict[str, Path] = {}
 
 
@@ -60,7 +77,7 @@ def reference_run(mode: str, data_dir: Path, root: Path) -> Path:
     if mode not in _REFERENCES:
         run_dir = root / f"reference_{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES[mode]), check=True)
+        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed(mode)), check=True)
         _REFERENCES[mode] = run_dir
     return _REFERENCES[mode]
 

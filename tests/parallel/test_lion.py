@@ -4,7 +4,7 @@ one process within 1e-5 in none, dp, ddp, zero, zero_torch and fsdp at world 2, 
 after kill -9 under fsdp, a resharded resume (zero's row-sharded state into zero_torch's whole
 parameters), and `dtrain plan` counting its one state tensor (AdamW keeps two) as measured.
 
-Every run trains the parity reference's 16 steps of 256 tokens (conftest.REFERENCE_BATCH) and
+Every run trains the parity reference's 16 steps of 256 tokens (helpers.runs.REFERENCE_BATCH) and
 saves a checkpoint every 4, so a mode's parity run is also its resume test's reference.
 """
 
@@ -18,7 +18,7 @@ from helpers.checkpoints import loss_records, one_process_optimizer, same_weight
 from helpers.dist_workers import train_and_inspect
 from helpers.dtrain import REPO, run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import MODE_RUNS, ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process
+from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process, on_reference_steps
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scripts.benchmarks.memory import optimizer_state_tensors, tensor_bytes
@@ -40,7 +40,7 @@ STEPS, INTERVAL = REFERENCE_STEPS, 4
 # 1e-4 within 2e-6 (the loss logged to 1e-6).
 LION_BATCH = ["optim=lion", *(arg for arg in REFERENCE_BATCH if not arg.startswith("optim.lr=")), "optim.lr=3e-4",
               f"checkpoint.interval={INTERVAL}"]
-CASES = {mode: MODE_RUNS[mode] for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp")}
+CASES = {mode: on_reference_steps(mode) for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp")}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from helpers.checkpoints import crashed_copy, loss_records, snapshot
 from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS
+from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
 from helpers.tokenizers import byte_level_folder
 
 from trainer.checkpoint.records import newest_resumable
@@ -196,7 +196,7 @@ CHECKPOINTED = (*REFERENCE_BATCH, "checkpoint.interval=3")
 
 
 def checkpointed_args(mix_dir: Path, run_dir: Path, mode: str) -> list[str]:
-    return mix_args(mix_dir, run_dir, *CHECKPOINTED, *MODE_RUNS[mode])
+    return mix_args(mix_dir, run_dir, *CHECKPOINTED, *on_reference_steps(mode))
 
 
 @pytest.fixture(scope="module")

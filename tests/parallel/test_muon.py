@@ -28,7 +28,7 @@ from helpers.processes import (
     start_dtrain,
     wait_for,
 )
-from helpers.runs import MODE_RUNS, MUON_BATCH, ONE_PROCESS, REFERENCE_STEPS, assert_matches_one_process
+from helpers.runs import MUON_BATCH, ONE_PROCESS, REFERENCE_STEPS, assert_matches_one_process, on_reference_steps
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
@@ -40,13 +40,13 @@ from trainer.plan.memory import estimate
 
 STEPS, INTERVAL = REFERENCE_STEPS, 4  # MUON_BATCH saves a checkpoint every 4 steps
 CASES = {
-    "ddp_w2": MODE_RUNS["ddp"],
+    "ddp_w2": on_reference_steps("ddp"),
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
-    "zero_w2": MODE_RUNS["zero"],
+    "zero_w2": on_reference_steps("zero"),
     "zero_w4": ["parallel=zero", "world=4", "train.micro_batch_size=2"],
-    "zero_torch_w2": MODE_RUNS["zero_torch"],
+    "zero_torch_w2": on_reference_steps("zero_torch"),
     "zero_torch_w4": ["parallel=zero_torch", "world=4", "train.micro_batch_size=1"],
-    "fsdp_w2": MODE_RUNS["fsdp"],
+    "fsdp_w2": on_reference_steps("fsdp"),
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
 }
 

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import pytest
 from helpers.dtrain import train_losses
-from helpers.runs import MODE_RUNS, REFERENCE_BATCH, REFERENCE_STEPS
+from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
 
 STEPS = REFERENCE_STEPS
 
 # name -> overrides; micro batch x 32 x world x accumulation = 256 tokens in every case
 CASES = {  # the quick tier (make test) runs one case per mode
-    "none_accum1": MODE_RUNS["none"],
+    "none_accum1": on_reference_steps("none"),
     "none_accum2": ["parallel=none", "train.micro_batch_size=4"],
-    "dp": MODE_RUNS["dp"],
-    "ddp_w2": MODE_RUNS["ddp"],
+    "dp": on_reference_steps("dp"),
+    "ddp_w2": on_reference_steps("ddp"),
     "ddp_w2_accum2": ["parallel=ddp", "world=2", "train.micro_batch_size=2"],
     "ddp_w4": ["parallel=ddp", "world=4", "train.micro_batch_size=2"],
     "ddp_w4_accum2": ["parallel=ddp", "world=4", "train.micro_batch_size=1"],
-    "zero_w2": MODE_RUNS["zero"],
-    "zero_torch_w2": MODE_RUNS["zero_torch"],
-    "fsdp_w2": MODE_RUNS["fsdp"],
+    "zero_w2": on_reference_steps("zero"),
+    "zero_torch_w2": on_reference_steps("zero_torch"),
+    "fsdp_w2": on_reference_steps("fsdp"),
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
 }
 SLOW = {"none_accum2", "ddp_w2_accum2", "ddp_w4", "ddp_w4_accum2", "fsdp_w4"}

@@ -18,12 +18,13 @@ from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import (
-    MODE_RUNS,
+    MODES,
     MUON_BATCH,
     ONE_PROCESS,
     REFERENCE_BATCH,
     REFERENCE_STEPS,
     assert_matches_one_process,
+    on_reference_steps,
 )
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
@@ -43,12 +44,12 @@ OPTIMIZERS = {"adamw": REFERENCE_BATCH, "muon": MUON_BATCH}
 def runs(shared_run):
     """(mode or "reference", optimizer) -> the run dir of the session's uninterrupted run."""
     return lambda mode, optim: shared_run(*OPTIMIZERS[optim], *(ONE_PROCESS if mode == "reference"
-                                                                else MODE_RUNS[mode]))[0]
+                                                                else on_reference_steps(mode)))[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", OPTIMIZERS)
-@pytest.mark.parametrize("mode", list(MODE_RUNS))
+@pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_and_optimizer_matches_one_process(mode, optim, runs):
     reference = train_losses(runs("reference", optim))
     assert reference[STEPS] < reference[1], reference  # it learns
@@ -62,7 +63,7 @@ def test_sharded_kill_9_then_the_same_command_is_bitwise(data_dir, runs, tmp_pat
     and its workers past a checkpoint, then the same command continues bit for bit."""
     reference = runs("fsdp", "muon")
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
-    args = tiny_args(data_dir, run_dir, *MUON_BATCH, *MODE_RUNS["fsdp"])
+    args = tiny_args(data_dir, run_dir, *MUON_BATCH, *on_reference_steps("fsdp"))
     assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
     resumed_from = checkpoint_step(latest_checkpoint(run_dir))
     again = run_dtrain(args)
@@ -105,5 +106,5 @@ def test_plan_prints_every_mode_for_muon():
                        "--device-memory", "8GiB"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│")]
-    assert rows == list(MODE_RUNS), proc.stdout
+    assert rows == list(MODES), proc.stdout
     assert "max micro batch" in proc.stdout and "8.00 GiB" in proc.stdout

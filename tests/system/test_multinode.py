@@ -15,7 +15,7 @@ import pytest
 from helpers.checkpoints import loss_records
 from helpers.dtrain import REPO, dtrain_env, tiny_args
 from helpers.processes import is_loopback, listeners_of_tree
-from helpers.runs import CKPT_ARGS, CKPT_NAMES, MODES
+from helpers.runs import CKPT_ARGS, CKPT_NAMES, checkpointed
 
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
 PORT = 29500  # a fresh namespace has nothing listening
@@ -66,7 +66,7 @@ def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):
             run_dir = tmp_path / f"node{index}"
             # One worker per node, one thread each: the same arithmetic as the reference's two
             # local workers. No GLOO_SOCKET_IFNAME or MASTER_ADDR: dtrain finds the veth itself.
-            args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *MODES["ddp"], "launch.nnodes=2",
+            args = tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed("ddp"), "launch.nnodes=2",
                              f"launch.rdzv_endpoint={HOST_A}:{PORT}", "launch.rdzv_timeout=120",
                              "launch.timeout_s=120", "launch.threads_per_worker=1")
             log = (tmp_path / f"node{index}.log").open("w")

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, sweep_args
+from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
 from helpers.processes import alive, finish, logged, start_dtrain, wait_for
 
 from trainer.io import flock_held
@@ -38,7 +38,7 @@ def output(proc) -> str:
 def test_ddp_sweep_runs_each_point_distributed_then_a_rerun_skips_them(data_dir, tmp_path):
     # The default sweep dir (multirun/<swept keys>-<digest>) under a fresh working directory: the
     # only folder the sweep may create is that one (workers get the composed config, never compose).
-    args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2")
+    args = tiny_args(data_dir, None, "optim.lr=1e-3,3e-3", "parallel=ddp", "world=2", sweep=True)
     proc = run_dtrain(args, cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
@@ -103,7 +103,7 @@ def make_report(cwd: Path) -> subprocess.CompletedProcess:
 def test_a_failed_point_is_recorded_and_the_sweep_goes_on(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     # lr=1e6 passes every check and fails in the worker at run time (the non-finite guard stops it)
-    args = sweep_args(data_dir, "optim.lr=1e6,1e-3", f"hydra.sweep.dir={sweep_dir}")
+    args = tiny_args(data_dir, sweep_dir, "optim.lr=1e6,1e-3", sweep=True)
     proc = run_dtrain(args)
     assert proc.returncode == 1, output(proc)
     failed, ok = summary(sweep_dir)
@@ -126,8 +126,7 @@ def test_a_failed_point_is_recorded_and_the_sweep_goes_on(data_dir, tmp_path):
 @pytest.mark.slow
 def test_fail_fast_stops_at_the_first_failed_point(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = run_dtrain(sweep_args(data_dir, "sweep.fail_fast=true", "optim.lr=1e6,1e-3",
-                                 f"hydra.sweep.dir={sweep_dir}"))
+    proc = run_dtrain(tiny_args(data_dir, sweep_dir, "sweep.fail_fast=true", "optim.lr=1e6,1e-3", sweep=True))
     assert proc.returncode == 1, output(proc)
     failed, skipped = summary(sweep_dir)
     assert failed["status"] == "failed"
@@ -138,13 +137,12 @@ def test_fail_fast_stops_at_the_first_failed_point(data_dir, tmp_path):
 @pytest.mark.slow
 def test_a_rerun_resumes_an_unfinished_point_from_its_checkpoint(data_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    args = sweep_args(data_dir, "checkpoint.interval=3", "optim.lr=1e-3", f"hydra.sweep.dir={sweep_dir}")
+    args = tiny_args(data_dir, sweep_dir, "checkpoint.interval=3", "optim.lr=1e-3", sweep=True)
     proc = run_dtrain(args)
     assert proc.returncode == 0, output(proc)
     point = sweep_dir / "0"
     checkpoints = point / "checkpoints"
-    if not (checkpoints / "step_000003").is_dir():
-        pytest.skip("no periodic checkpoints were written (trainer/checkpoint.py not in place)")
+    assert (checkpoints / "step_000003").is_dir(), sorted(path.name for path in checkpoints.iterdir())
     # make it look killed after step 3: the final checkpoint and everything logged later gone
     shutil.rmtree(checkpoints / "step_000006")
     kept = [r for r in read_metrics(point) if r["step"] <= 3]
@@ -189,8 +187,8 @@ def live_sweep(data_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Pope
     """A two-point sweep in its own process group, running its point #0 (a step logged); killed
     with kill -9 of the whole group on the way out. Yields the driver, the sweep folder and the command."""
     sweep_dir = tmp_path / "sweep"
-    args = sweep_args(data_dir, "optim.lr=1e-3,3e-3", "train.max_steps=100000", "checkpoint.interval=0",
-                      f"hydra.sweep.dir={sweep_dir}")
+    args = tiny_args(data_dir, sweep_dir, "optim.lr=1e-3,3e-3", "train.max_steps=100000", "checkpoint.interval=0",
+                     sweep=True)
     log = tmp_path / "sweep.log"
     proc = start_dtrain(args, log)
     try:
@@ -240,7 +238,7 @@ def test_a_sweep_dir_holding_another_sweep_is_refused_before_anything_runs(data_
     (sweep_dir / "0").mkdir(parents=True)
     other = {"num": 0, "status": "ok", "overrides": ["optim.lr=0.5"]}
     (sweep_dir / "0" / STATUS_FILE).write_text(json.dumps(other))
-    proc = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep_dir}"))
+    proc = run_dtrain(tiny_args(data_dir, sweep_dir, "optim.lr=1e-3,3e-3", sweep=True))
     assert proc.returncode == 2, output(proc)
     assert "holds another sweep" in proc.stderr and "optim.lr=0.5" in proc.stderr
     assert sorted(p.name for p in sweep_dir.iterdir()) == ["0"]
@@ -308,8 +306,7 @@ def test_optuna_search_minimises_the_best_val_loss(data_dir, tmp_path):
     from omegaconf import OmegaConf
 
     sweep_dir = tmp_path / "sweep"
-    args = sweep_args(data_dir, "hparams_search=optuna_lr", "hydra.sweeper.n_trials=2",
-                      f"hydra.sweep.dir={sweep_dir}")
+    args = tiny_args(data_dir, sweep_dir, "hparams_search=optuna_lr", "hydra.sweeper.n_trials=2", sweep=True)
     proc = run_dtrain(args)
     assert proc.returncode == 0, output(proc)
     points = summary(sweep_dir)

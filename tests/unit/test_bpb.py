@@ -1,5 +1,6 @@
 """Bits per byte (issue 36 item 5): validation's summed loss in bits over the UTF-8 bytes of the
-scored target tokens, beside the loss in metrics.jsonl, the console and the summary."""
+scored target tokens, from the per-token losses of a validation pass (a run's metrics.jsonl, console,
+summary and report: tests/cli/test_logs.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import ONE_CPU_PROCESS
-from helpers.dtrain import read_metrics, run_dtrain, tiny_args
 
 from trainer.config.compose import compose
 from trainer.data.shard_reader import open_split
@@ -56,19 +56,3 @@ def test_val_loss_and_bpb_are_per_token_over_the_first_val_tokens(data_dir, tmp_
     lengths = torch.tensor(token_byte_lengths())[y.reshape(-1)]
     assert loss == pytest.approx(per.mean().item(), rel=1e-6)  # every target, the document boundaries too
     assert bpb == pytest.approx(per[lengths > 0].sum().item() / math.log(2) / lengths.sum().item(), rel=1e-6)
-
-
-@pytest.mark.slow
-def test_a_run_logs_val_bpb_beside_val_loss(data_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    args = tiny_args(data_dir, run_dir, "train.max_steps=4")
-    args[args.index("train.val_interval=0")] = "train.val_interval=2"
-    proc = run_dtrain(args, check=True)
-    vals = [r for r in read_metrics(run_dir) if "val_loss" in r]
-    assert [r["step"] for r in vals] == [2, 4] and all(0 < r["val_bpb"] < 20 for r in vals)
-    assert f"step 4: val loss {vals[-1]['val_loss']:.4f} | val bpb {vals[-1]['val_bpb']:.4f}" in proc.stdout
-    summary = read_metrics(run_dir)[-1]["summary"]
-    assert summary["final_val_bpb"] == pytest.approx(vals[-1]["val_bpb"])
-    assert "final val bpb" in proc.stdout
-    report = run_dtrain(["report", str(run_dir), f"--out={tmp_path / 'figures'}"], check=True)
-    assert "val bpb" in report.stdout and f"{vals[-1]['val_bpb']:.4f}" in report.stdout  # the results table's column

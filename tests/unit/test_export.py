@@ -75,13 +75,6 @@ def test_export_loads_in_transformers(trained, tmp_path):
         assert torch.allclose(hf(idx).logits, live(idx)[0], atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def hf_folder(trained, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "export"
-    cmd_export([str(trained[0]), "--out", str(out)])
-    return out
-
-
 MIXED_TEXT = corpus_text()[:3000] + textwrap.dedent("""
     def merge_pair(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
         \"\"\"Docstring's quote; it'll be fine, won't it? I'M SURE they've said so.\"\"\"
@@ -113,34 +106,6 @@ def test_exported_tokenizer_encodes_like_tiktoken(hf_folder):
     assert tok(two_docs)["input_ids"] == gpt2.gpt2_encoding().encode(two_docs, allowed_special="all")
     assert tok.decode(tok(two_docs)["input_ids"]) == two_docs
     assert tok.model_max_length == 128  # the exported model's block size
-
-
-def test_text_generation_pipeline_runs_offline(trained, hf_folder, tmp_path):
-    """transformers' pipeline on the folder with the Hub off and an empty HF cache (nothing to fall
-    back on) generates the tokens dtrain's model picks greedily."""
-    pytest.importorskip("transformers")
-    _, live = trained
-    prompt = "ROMEO: What light"
-    idx = torch.tensor([encode(prompt)])
-    with torch.no_grad():
-        for _ in range(8):
-            nxt = live(idx)[0][0, -1].argmax()
-            if nxt == EOT:
-                break
-            idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
-    script = textwrap.dedent("""
-        import json, sys
-        import transformers
-        generate = transformers.pipeline("text-generation", model=sys.argv[1])
-        out = generate(sys.argv[2], max_new_tokens=8, do_sample=False)
-        print(json.dumps(out[0]["generated_text"]))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    proc = subprocess.run([sys.executable, "-c", script, str(hf_folder), prompt], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    text = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert text == gpt2.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))
 
 
 def test_export_without_the_gpt2_ranks_is_one_line_and_writes_nothing(trained, tmp_path, monkeypatch,

@@ -1,5 +1,6 @@
-"""HellaSwag evaluation: file loading and errors, masking, accuracy on a trained tiny model, exact
-agreement across world sizes (real gloo workers), the download path, and in-training logging."""
+"""HellaSwag evaluation in-process: file loading and errors, masking, accuracy on a trained tiny model,
+the download path, the three figures (across world sizes and during training, with real gloo
+workers: tests/parallel/test_hellaswag_workers.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.dtrain import REPO, corpus_text, dtrain_env, read_metrics, run_dtrain, tiny_args
-from helpers.evals import make_examples, write_jsonl
+from helpers.evals import write_jsonl
 from omegaconf import OmegaConf
 
-from trainer.config.schema import HellaswagConfig, to_dict
+from trainer.config.schema import HellaswagConfig
 from trainer.errors import DataError
 from trainer.evals.hellaswag import HellaSwagEval, build_batch, encode_example, score_batch
 from trainer.evals.hellaswag_file import Example, hellaswag_file, read_examples
@@ -228,38 +228,13 @@ def test_every_rank_runs_the_same_number_of_forwards():
         assert (correct, correct_norm, n) == (whole.correct, whole.correct_norm, whole.n)
 
 
-@pytest.fixture(scope="module")
-def trained_run(data_dir, tmp_path_factory):
-    """A tiny GPT trained for 24 steps (4 x 64 tokens each) on the session corpus through the
-    project's own Run, saved as a run dir (resolved config + state_dict), plus HellaSwag-format files
-    for it. (10 steps already take the easy set from chance to 43/43.)"""
-    from trainer.config.compose import compose
-    from trainer.fit.run import Run
-    from trainer.preflight.rundir import write_config_record
-
-    root = tmp_path_factory.mktemp("hellaswag")
-    run_dir = root / "run"
-    overrides = [a for a in tiny_args(data_dir, run_dir) if "=" in a and not a.startswith("hydra.")]
-    cfg = compose(overrides + ["train.max_steps=24", "optim.lr=3e-3", "data.val_fraction=0.1"])
-    run = Run(cfg, SINGLE, run_dir)
-    for step in range(cfg.train.max_steps):
-        run.train_step(step)
-    write_config_record(run_dir, to_dict(cfg))
-    torch.save(run.model.state_dict(), run_dir / "model.pt")
-    easy, hard = make_examples(corpus_text(), n_easy=43, n_hard=48)
-    files = {"easy": write_jsonl(root / "easy.jsonl", easy), "hard": write_jsonl(root / "hard.jsonl", hard),
-             "all": write_jsonl(root / "all.jsonl", easy + hard)}
-    model = run.model.eval()
-    return {"run_dir": run_dir, "cfg": cfg, "model": model, "files": files}
-
-
 @pytest.mark.slow
-def test_trained_model_tells_apart_what_it_can(trained_run):
+def test_trained_model_tells_apart_what_it_can(hellaswag_run):
     from trainer.model.gpt import build_model
 
-    model, cfg = trained_run["model"], trained_run["cfg"]
-    easy = HellaSwagEval(read_examples(trained_run["files"]["easy"]), 0, 1, 8, cfg.model.block_size)
-    hard = HellaSwagEval(read_examples(trained_run["files"]["hard"]), 0, 1, 8, cfg.model.block_size)
+    model, cfg = hellaswag_run["model"], hellaswag_run["cfg"]
+    easy = HellaSwagEval(read_examples(hellaswag_run["files"]["easy"]), 0, 1, 8, cfg.model.block_size)
+    hard = HellaSwagEval(read_examples(hellaswag_run["files"]["hard"]), 0, 1, 8, cfg.model.block_size)
     torch.manual_seed(cfg.train.seed)
     untrained = easy.evaluate(build_model(cfg.model), SINGLE)
     trained_easy, trained_hard = easy.evaluate(model, SINGLE), hard.evaluate(model, SINGLE)
@@ -270,78 +245,7 @@ def test_trained_model_tells_apart_what_it_can(trained_run):
     assert 0.08 <= trained_hard.acc_per_token <= 0.45, trained_hard
 
 
-def _eval_cli(trained_run, world: int, mode: str, torchrun: bool) -> dict:
-    import subprocess
-    import sys
-
-    run_dir = trained_run["run_dir"]
-    args = ["eval", str(run_dir), f"ckpt={run_dir / 'model.pt'}",
-            f"eval.hellaswag.path={trained_run['files']['all']}", "eval.hellaswag.batch_examples=5",
-            f"parallel={mode}"]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "trainer", *args]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dtrain_env())
-    else:
-        proc = run_dtrain([*args, f"world={world}"])
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    return json.loads((run_dir / "eval_hellaswag.json").read_text())
-
-
-@pytest.mark.slow
-def test_same_counts_for_world_1_2_4(trained_run):
-    """91 examples in batches of 5: at world 2 rank 1 runs a dummy forward (46 vs 45 examples), which
-    FSDP needs to not hang; world 4 runs under plain torchrun."""
-    results = {}
-    for world, mode, torchrun in ((1, "none", False), (2, "fsdp", False), (4, "ddp", True)):
-        r = _eval_cli(trained_run, world, mode, torchrun)
-        assert (r["world"], r["parallel"]) == (world, mode)
-        results[world] = (r["hellaswag_n"], r["hellaswag_correct"], r["hellaswag_correct_norm"],
-                          r["hellaswag_acc"], r["hellaswag_acc_norm"])
-    assert results[1][0] == 91
-    assert results[1] == results[2] == results[4], results
-
-
-@pytest.mark.slow
-def test_eval_command_errors(trained_run, tmp_path):
-    run_dir = trained_run["run_dir"]
-    proc = run_dtrain(["eval", str(tmp_path)])
-    assert proc.returncode == 2 and "not a dtrain run directory" in proc.stderr
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0}\nnot json\n')
-    proc = run_dtrain(["eval", str(run_dir), f"ckpt={run_dir / 'model.pt'}", f"eval.hellaswag.path={bad}"])
-    assert proc.returncode == 2 and "line 2: not valid JSON" in proc.stderr, proc.stderr
-    proc = run_dtrain(["eval", str(run_dir), f"ckpt={run_dir / 'model.pt'}", "eval.nope=1"])
-    assert proc.returncode == 2 and "bad override" in proc.stderr, proc.stderr
-
-
 # --- during training ------------------------------------------------------------------------
-@pytest.mark.slow
-def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, trained_run, tmp_path):
-    """eval.hellaswag.interval under ddp world 2 logs the three keys every 10 steps and at the last; then
-    `dtrain eval RUN_DIR` (no ckpt=: the newest checkpoint, written at the end of the run) scores
-    the final weights on one process with exactly the counts logged at the last step."""
-    run_dir = tmp_path / "run"
-    hs = [f"eval.hellaswag.path={trained_run['files']['all']}", "eval.limit=20"]
-    proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=15",
-                                "eval.hellaswag.interval=10", "eval.hellaswag.batch_examples=3", *hs))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    logged = [r for r in read_metrics(run_dir) if "hellaswag_acc" in r]
-    assert [r["step"] for r in logged] == [10, 15]
-    for r in logged:
-        assert r["hellaswag_n"] == 20 and 0 <= r["hellaswag_acc"] <= 1 and 0 <= r["hellaswag_acc_norm"] <= 1
-
-    proc = run_dtrain(["eval", str(run_dir), *hs])
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    result = json.loads((run_dir / "eval_hellaswag.json").read_text())
-    assert result["step"] == 15 and result["world"] == 1
-    assert {k: result[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")} == \
-        {k: logged[-1][k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
-    # the flags --tasks takes serve the built-in HellaSwag too: --step N, --limit N
-    proc = run_dtrain(["eval", str(run_dir), "--step", "15", "--limit", "7", hs[0]])
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    result = json.loads((run_dir / "eval_hellaswag.json").read_text())
-    assert result["step"] == 15 and result["hellaswag_n"] == 7
 
 
 def test_three_figures_under_three_names():

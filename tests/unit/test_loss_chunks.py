@@ -1,13 +1,11 @@
 """train.loss_chunks: the loss in pieces equals the whole-batch loss (1e-6 relative, CPU fp32), and
-so do the gradients; a training run with pieces tracks one without in every parallel mode."""
+so do the gradients (a training run with pieces in every parallel mode: tests/parallel/test_loss_chunks_modes.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.dtrain import run_dtrain, tiny_args, train_losses
-from helpers.runs import assert_matches_one_process
 
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -64,56 +62,3 @@ def test_bf16_autocast_pieces_match_the_whole_head():
     assert abs(pieces.item() - whole.item()) < 1e-6 * abs(whole.item()) + 1e-3
     assert (gw - gw_whole).abs().max() < 0.02 * gw_whole.abs().max()
     assert (gx - gx_whole).abs().max() < 0.02 * gx_whole.abs().max()
-
-
-STEPS = 10
-TOTAL = ["train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={STEPS}", "optim.lr=1e-3"]
-MODES = {
-    "none": ["parallel=none", "train.micro_batch_size=4"],
-    "dp": ["parallel=dp", "train.micro_batch_size=4"],
-    "ddp": ["parallel=ddp", "world=2", "train.micro_batch_size=2"],
-    "zero": ["parallel=zero", "world=2", "train.micro_batch_size=2"],
-    "zero_torch": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
-    "fsdp": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
-}
-
-
-def _losses(data_dir, run_dir, *overrides):
-    run_dtrain(tiny_args(data_dir, run_dir, *TOTAL, *overrides), check=True)
-    return train_losses(run_dir)
-
-
-@pytest.fixture(scope="module")
-def whole_head(data_dir, tmp_path_factory):
-    return _losses(data_dir, tmp_path_factory.mktemp("whole") / "run", *MODES["none"])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
-def test_training_with_loss_chunks_tracks_the_whole_loss(mode, whole_head, data_dir, tmp_path):
-    """fsdp (the tied head's weight unsharded in the root unit) is the quick tier's case."""
-    got = _losses(data_dir, tmp_path / "run", *MODES[mode], "train.loss_chunks=4")
-    assert_matches_one_process(whole_head, got, STEPS, f"{mode} loss_chunks=4")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["none", "ddp", "fsdp"])
-def test_compiled_with_loss_chunks_and_a_compile_mode(mode, whole_head, data_dir, tmp_path):
-    got = _losses(data_dir, tmp_path / "run", *MODES[mode], "train.loss_chunks=4", "train.compile=true",
-                  "train.compile_mode=max-autotune-no-cudagraphs")
-    worst = max(abs(got[s] - whole_head[s]) for s in whole_head)
-    assert sorted(got) == list(range(1, STEPS + 1)) and worst < 1e-4, worst  # inductor reorders fp32 sums
-
-
-@pytest.mark.parametrize("args,needle", [
-    (["train.compile_mode=fast"], "train.compile_mode='fast' is unknown"),
-    (["train.compile_mode=reduce-overhead"], "needs train.compile=true"),
-    (["train.loss_chunks=0"], "train.loss_chunks=0 must be at least 1"),
-    (["train.seq_len=16", "train.loss_chunks=17"], "exceeds train.seq_len=16"),
-])
-def test_bad_values_are_one_line(args, needle, data_dir, tmp_path):
-    proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", *args))
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error:") and needle in lines[0], proc.stderr
-    assert not (tmp_path / "run").exists()

@@ -28,7 +28,7 @@ LLAMA_SHAPED = ["model=llama_135m", "model.n_layer=3", "model.n_embd=96", "model
 
 
 def reference_step(named, parts_of, momenta, group):
-    """Muon one matrix at a time, as trainer/optim.py's Float32Muon did (with each part of a fused
+    """Muon one matrix at a time, as the first Float32Muon did (with each part of a fused
     weight a matrix of its own): 2-D matmuls, float32."""
     a, b, c = NS_COEFFICIENTS
     lr, beta = group["lr"], group["momentum"]

@@ -1,19 +1,17 @@
 """Seeds as a result (trainer/observe/stats.py): runs that differ only in train.seed form a group; the
 sweep's table, `dtrain report` and its report.json give per group and figure n, mean, sd and a 95%
 CI, and between groups the difference, its Welch 95% CI and p-value. The statistics are checked on
-fixed numbers against values computed another way, and a 2 x 3 sweep of the tiny model against a
-hand computation from its points' metrics.jsonl."""
+fixed numbers against values computed another way (a 2 x 3 sweep of the tiny model against a hand
+computation from its points' metrics.jsonl: tests/system/test_sweep_seeds.py; `dtrain report
+--baseline` on single runs: tests/cli/test_report.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
-from helpers.dtrain import read_metrics, run_dtrain, sweep_args
 
 from trainer.config.command_line import expand_seeds
 from trainer.config.keys import identity
@@ -108,111 +106,9 @@ def test_seeds_shorthand_is_the_seed_axis():
 
 
 # --- dtrain report on recorded runs (no training) -----------------------------------------------
-def fake_point(sweep_dir: Path, num: int, overrides: list[str], val: float) -> None:
-    point = sweep_dir / str(num)
-    (point / ".hydra").mkdir(parents=True)
-    (point / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    records = [{"step": 1, "tokens": 256, "loss": val + 1, "lr": 1e-3, "tokens_per_s": 100.0},
-               {"step": 1, "tokens": 256, "val_loss": val},
-               {"step": 1, "tokens": 256, "summary": {"best_val_loss": val, "train_tokens_per_s": 100.0 + num}}]
-    (point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def test_report_baseline_of_single_runs_is_one_error_line_and_writes_nothing(tmp_path):
-    pytest.importorskip("matplotlib")
-    sweep_dir = tmp_path / "sweep"
-    for num, lr in enumerate(("1e-3", "3e-3")):
-        fake_point(sweep_dir, num, [f"optim.lr={lr}"], 4.0 + num)
-    before = sorted(p.relative_to(sweep_dir) for p in sweep_dir.rglob("*"))
-    proc = run_dtrain(["report", str(sweep_dir), "--baseline", "optim.lr=1e-3"])
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: --baseline asks for p-values, which need two runs or more per group, and optim.lr=1e-3 | "
-        "optim.lr=3e-3 has one: add seeds (sweep.seeds=3, or train.seed=0,1,2) or leave out --baseline"]
-    assert sorted(p.relative_to(sweep_dir) for p in sweep_dir.rglob("*")) == before
-
-    proc = run_dtrain(["report", str(sweep_dir)], check=True)  # without it: groups of one, nothing tested
-    report = json.loads((sweep_dir / "report.json").read_text())
-    assert report["comparisons"] == []
-    assert [(g["overrides"], g["n"]) for g in report["groups"]] == [(["optim.lr=1e-3"], 1), (["optim.lr=3e-3"], 1)]
-    assert report["groups"][1]["figures"]["best_val_loss"] == {"mean": 5.0, "sd": None, "ci95": None}
-    assert "seeds (train.seed) per group" not in proc.stdout  # no group of seeds: no seeds table
 
 
 # --- a 2 x 3 sweep of the tiny model --------------------------------------------------------------
-def by_hand(point_dirs: list[Path]) -> dict[str, list[float]]:
-    """The figures of each point, read straight from its metrics.jsonl."""
-    out: dict[str, list[float]] = {"final_val_loss": [], "best_val_loss": [], "final_val_bpb": [],
-                                   "train_tokens_per_s": [], "target_train_s": [], "target_tokens": []}
-    for point in point_dirs:
-        records = read_metrics(point)
-        end = [r for r in records if "summary" in r][-1]
-        out["final_val_loss"].append([r["val_loss"] for r in records if "val_loss" in r][-1])
-        out["final_val_bpb"].append([r["val_bpb"] for r in records if "val_bpb" in r][-1])
-        out["best_val_loss"].append(end["summary"]["best_val_loss"])
-        out["train_tokens_per_s"].append(end["summary"]["train_tokens_per_s"])
-        out["target_train_s"].append(end["target"]["train_s"])
-        out["target_tokens"].append(end["target"]["tokens"])
-    return out
-
-
-@pytest.mark.slow
-def test_two_recipes_three_seeds_sweep_and_report(data_dir, tmp_path):
-    pytest.importorskip("matplotlib")
-    sweep_dir = tmp_path / "sweep"
-    # the target is met at the first evaluation (step 3); the points go on to step 6
-    proc = run_dtrain(sweep_args(data_dir, "optim.lr=1e-3,3e-3", "sweep.seeds=3", "checkpoint.interval=0",
-                                 "train.target_val_loss=10.75", "train.continue_after_target=true",
-                                 f"hydra.sweep.dir={sweep_dir}"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    points = [json.loads(line) for line in (sweep_dir / "summary.jsonl").read_text().splitlines()]
-    seeds = [[o for o in p["overrides"] if o.startswith(("optim.lr=", "train.seed="))] for p in points]
-    assert seeds == [[lr, f"train.seed={s}"] for lr in ("optim.lr=0.001", "optim.lr=0.003") for s in range(3)]
-    groups = [sweep_dir / str(n) for n in range(6)]
-    a, b = by_hand(groups[:3]), by_hand(groups[3:])
-    assert all(read_metrics(p)[-1]["target"]["step"] == 3 for p in groups)
-
-    report_proc = run_dtrain(["report", str(sweep_dir)], check=True)
-    report = json.loads((sweep_dir / "report.json").read_text())
-    assert set(report) == {"groups", "comparisons"}
-    got_a, got_b = report["groups"]
-    assert got_a["n"] == got_b["n"] == 3
-    assert "optim.lr=0.001" in got_a["overrides"] and not any(o.startswith("train.seed") for o in got_a["overrides"])
-    for figure in a:
-        for got, values in ((got_a, a[figure]), (got_b, b[figure])):
-            mean, sd = statistics.fmean(values), statistics.stdev(values)
-            half = T_975_2DF * sd / math.sqrt(3)
-            assert set(got["figures"][figure]) == {"mean", "sd", "ci95"}
-            assert got["figures"][figure]["mean"] == pytest.approx(mean, rel=1e-12)
-            assert got["figures"][figure]["sd"] == pytest.approx(sd, rel=1e-9, abs=1e-12)
-            assert got["figures"][figure]["ci95"] == pytest.approx([mean - half, mean + half], rel=1e-9)
-    comparisons = {c["figure"]: c for c in report["comparisons"]}
-    assert set(comparisons) == set(a)
-    for figure, c in comparisons.items():
-        assert (c["a"], c["b"]) == (got_a["overrides"], got_b["overrides"])
-        assert c["diff"] == pytest.approx(statistics.fmean(b[figure]) - statistics.fmean(a[figure]), rel=1e-12)
-        if statistics.stdev(a[figure]) + statistics.stdev(b[figure]) == 0:  # tokens to target: the same step
-            assert c["p_value"] is None and c["ci95"] == [c["diff"], c["diff"]]
-            continue
-        test = scipy_stats.ttest_ind(b[figure], a[figure], equal_var=False)
-        assert c["p_value"] == pytest.approx(test.pvalue, rel=1e-9)
-        assert c["ci95"] == pytest.approx(list(test.confidence_interval(0.95)), rel=1e-9)
-
-    # the sweep's own table and the report's show the same figures
-    val = comparisons["final_val_loss"]
-    for out in (proc.stdout, report_proc.stdout):
-        for got in (got_a, got_b):
-            s = got["figures"]["final_val_loss"]
-            assert f"{s['mean']:.4f}" in out and f"[{s['ci95'][0]:.4f}, {s['ci95'][1]:.4f}]" in out
-        assert f"{val['diff']:+.4f}" in out and f"{val['p_value']:.3g}" in out
-    assert (sweep_dir / "loss.png").stat().st_size > 0
-
-    # against a named baseline: the other way round
-    run_dtrain(["report", str(sweep_dir), "--baseline", "optim.lr=0.003"], check=True)
-    flipped = {c["figure"]: c for c in json.loads((sweep_dir / "report.json").read_text())["comparisons"]}
-    assert flipped["final_val_loss"]["a"] == got_b["overrides"]
-    assert flipped["final_val_loss"]["diff"] == pytest.approx(-val["diff"], rel=1e-12)
-    assert flipped["final_val_loss"]["p_value"] == pytest.approx(val["p_value"], rel=1e-9)
 
 
 def test_a_baseline_naming_a_group_exactly_wins_over_groups_that_add_to_it():

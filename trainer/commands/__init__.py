@@ -1,1 +1,1 @@
-"""Subcommands other than train and prepare (one module each)."""
+"""Every `dtrain` command, one module each (trainer/cli.py's COMMANDS imports the one that runs)."""

@@ -70,7 +70,7 @@ HARNESS_FLAGS = ("include_path", "num_fewshot", "batch_size", "device", "bootstr
 
 
 def cmd_eval(argv: list[str]) -> dict:
-    """Score the run's weights; a worker that crashes raises trainer.launch.workers.WorkerFailed (its
+    """Score the run's weights; a worker that crashes raises trainer.errors.WorkerFailed (its
     report, traceback included), a user error in a worker raises UserError."""
     parser = _parser()
     args = parser.parse_args(argv)
