@@ -26,7 +26,7 @@ from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.io import one_line
-from trainer.optim.elementwise import states_of
+from trainer.optim.registry import states_of
 from trainer.parallel import strategy_class
 from trainer.plan.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
 from trainer.process.runtime import pick_device
@@ -75,7 +75,7 @@ def check_model_fits(cfg, world: int, device: torch.device) -> None:
         budget, where = host_memory() // local, f"this machine's RAM{f' / {local} workers' if local > 1 else ''}"
     if budget and need > budget:
         shard = "" if strategy.shards_parameters else ", shard it over more workers (parallel=fsdp world=N)"
-        m, state = cfg.model, " and ".join(state.name for state in states_of(cfg.optim))
+        m, state = cfg.model, " and ".join(label for label, _ in states_of(cfg.optim))
         raise UserError(
             f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}: {parameter_count(m):,} parameters need "
             f"{fmt_bytes(need)} per worker for fp32 weights, gradients and {state} state "
