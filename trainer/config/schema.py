@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -173,6 +173,9 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     fused: str = "auto"  # auto | true | false  (auto: fused on CUDA); AdamW's fused kernel
     muon: MuonConfig = field(default_factory=MuonConfig)
+    # An optimizer's own keys beyond the ones above (HF Trainer's optim_args), with their defaults in
+    # its conf/optim/NAME.yaml (`args: {momentum: 0.9}`) and read by its registration's kwargs.
+    args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

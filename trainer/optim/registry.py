@@ -48,13 +48,15 @@ class Elementwise:
     """An elementwise optimizer: `optimizer_class(param_groups, **kwargs(cfg.optim, device))`, the
     weight decay per group. `label` names it in messages; `step_copies` (by device type) is how many
     copies of a tensor its step makes at once, for the plan's temporaries (AdamW's sqrt(v) and its
-    scaled copy; CUDA's fused AdamW none)."""
+    scaled copy; CUDA's fused AdamW none); `args`, the keys of its own it reads from `optim.args`
+    (their defaults in its conf/optim/NAME.yaml)."""
 
     label: str
     optimizer_class: type[torch.optim.Optimizer]
     kwargs: Callable[[Any, torch.device], dict[str, Any]]
     state: State
     step_copies: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "cuda": 0})
+    args: tuple[str, ...] = ()
 
     def __post_init__(self):
         _STATE_OF_CLASS[self.optimizer_class] = self.state
@@ -73,6 +75,7 @@ class Matrix:
     kwargs: Callable[[Any, torch.device], dict[str, Any]]
     state: State
     rest: str = "adamw"
+    args: tuple[str, ...] = ()
 
     def __post_init__(self):
         _STATE_OF_CLASS[self.optimizer_class] = self.state
@@ -96,8 +99,8 @@ def registered(name: str) -> Elementwise | Matrix:
                           f"trainer/optim/{name}.py, or name an importable module that defines OPTIMIZER") from None
     registration = getattr(module, "OPTIMIZER", None)
     if not isinstance(registration, (Elementwise, Matrix)):
-        raise ConfigError(f"optim.name={name!r}: {module.__name__} defines no OPTIMIZER (an Elementwise or Matrix "
-                          "of trainer/optim/registry.py); see docs/optimizers.md")
+        raise ConfigError(f"optim.name={name!r}: module {module.__name__} defines no OPTIMIZER; define one there "
+                          "(an Elementwise or a Matrix of trainer/optim/registry.py: docs/optimizers.md)")
     return registration
 
 
@@ -119,6 +122,21 @@ def states_of(optim_cfg) -> tuple[tuple[str, State], ...]:
     matrix, elementwise = matrix_of(optim_cfg), elementwise_of(optim_cfg)
     both = ((matrix.label, matrix.state),) if matrix else ()
     return (*both, (elementwise.label, elementwise.state))
+
+
+def check_args(optim_cfg) -> None:
+    """`optim.args` holds exactly the keys of its own that `optim.name`'s optimizers read (a typo
+    would otherwise reach the optimizer's class in every worker as a traceback). Run with the
+    checks that need torch, before anything is written."""
+    matrix, elementwise = matrix_of(optim_cfg), elementwise_of(optim_cfg)
+    takes = {*elementwise.args, *(matrix.args if matrix else ())}
+    given = set(optim_cfg.get("args") or {})
+    for key in sorted(given - takes):
+        choices = f"its keys: {', '.join(sorted(takes))}" if takes else "it takes none"
+        raise ConfigError(f"optim.args.{key} is not a key of optim.name={optim_cfg.name} ({choices}); drop it")
+    for key in sorted(takes - given):
+        raise ConfigError(f"optim.name={optim_cfg.name} reads optim.args.{key}, which has no value; give its default "
+                          "in the optimizer's conf/optim/NAME.yaml (args:) or set it")
 
 
 def empty_state(optimizer, like: torch.Tensor) -> dict[str, torch.Tensor]:
