@@ -80,7 +80,7 @@ def test_a_model_that_cannot_fit_says_the_size_and_the_memory():
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_every_optimizer_names_its_state_when_the_model_cannot_fit(optimizer):
     """Issue 45, finding 11: optim=lion was a KeyError here, the check keeping its own table of
-    optimizers; it now reads trainer/optim/elementwise.py's STATE, as the plan does."""
+    optimizers; it now reads each optimizer's registration (trainer/optim/registry.py), as the plan does."""
     cfg = compose([f"optim={optimizer}", "model=tiny", "model.n_embd=1000000"])
     with pytest.raises(UserError) as err:
         check_model_fits(cfg, 1, torch.device("cpu"))

@@ -35,7 +35,7 @@ from trainer.config.compose import compose
 from trainer.model.gpt import build_model
 from trainer.optim.build import parts, split_params
 from trainer.optim.muon import NS_COEFFICIENTS, BatchedMuon, newton_schulz
-from trainer.parallel.muon import assign_owners
+from trainer.parallel.muon_owners import assign_owners
 from trainer.plan.memory import estimate
 
 STEPS, INTERVAL = REFERENCE_STEPS, 4  # MUON_BATCH saves a checkpoint every 4 steps

@@ -9,7 +9,7 @@ import torch
 from trainer.config.compose import compose
 from trainer.config.validation import validate
 from trainer.errors import ConfigError
-from trainer.optim.elementwise import adamw_kwargs
+from trainer.optim.adamw import adamw_kwargs
 
 
 @pytest.mark.parametrize(("typed", "fused"), [("true", True), ("'true'", True), ("false", False),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -26,13 +26,16 @@ CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _TRAINER_DIR.parent / 
 # The modes are the options of the `parallel` config group (each names its Strategy's module in
 # trainer/parallel/); read from the folder so that checking a config never imports torch.
 PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")))
+# dtrain's own optimizers, the same way: each is conf/optim/NAME.yaml plus trainer/optim/NAME.py, whose
+# OPTIMIZER registers it (trainer/optim/registry.py). An optimizer from outside the package is a
+# module path as its name (trainer/config/validation.py, check_optimizer_name).
+OPTIMIZERS = tuple(sorted(p.stem for p in (CONF_DIR / "optim").glob("*.yaml")))
 DTYPES = ("auto", "float32", "bfloat16")
 ON_NONFINITE = ("stop", "skip", "rollback")
 # torch.compile's modes (train.compile_mode): "reduce-overhead" replays the step's kernels as CUDA
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("auto", "bf16", "fp32")
-OPTIMIZERS = ("adamw", "muon", "lion")  # trainer/optim/elementwise.py ELEMENTWISE, and muon
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim/schedule.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
@@ -172,7 +175,9 @@ class MuonConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest) | lion
+    # OPTIMIZERS (adamw; muon: Muon on hidden matrices, AdamW on the rest; lion), or the module of
+    # an optimizer registered from outside the package (my_optims.sgd)
+    name: str = "adamw"
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 10
@@ -184,6 +189,9 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     fused: str = "auto"  # auto | true | false  (auto: fused on CUDA); AdamW's fused kernel
     muon: MuonConfig = field(default_factory=MuonConfig)
+    # An optimizer's own keys beyond the ones above (HF Trainer's optim_args), with their defaults in
+    # its conf/optim/NAME.yaml (`args: {momentum: 0.9}`) and read by its registration's kwargs.
+    args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -3,6 +3,7 @@ cannot express. Torch-free, like the schema (a user error arrives before torch w
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -267,8 +268,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}] (0: cosine to zero)")
     if o.schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule={o.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    if o.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)} (optim=NAME sets it)")
+    check_optimizer_name(o.name)
     if o.muon.adjust_lr not in MUON_ADJUST_LR:
         raise ConfigError(f"optim.muon.adjust_lr={o.muon.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)}")
     if o.muon.ns_dtype not in MUON_NS_DTYPES:
@@ -293,6 +293,26 @@ def validate(cfg: DictConfig) -> None:
     check_logger(cfg.logger)
     check_endpoint(cfg.launch.rdzv_endpoint)
     batch_plan(cfg, requested_world(cfg))
+
+
+def check_optimizer_name(name: str) -> None:
+    """`optim.name` is one of dtrain's optimizers (conf/optim/*.yaml) or the module path of one
+    registered from outside the package, found on the path without importing it (its parents
+    are imported: `importlib.util.find_spec`). Whether that module registers an OPTIMIZER is read
+    with torch, by the memory check before anything is written."""
+    if name in OPTIMIZERS:
+        return
+    if "." in name and not name.startswith("."):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return
+        except (ImportError, ValueError):
+            pass
+        raise ConfigError(f"optim.name={name!r} names no module on the Python path; put the module that defines its "
+                          "OPTIMIZER on PYTHONPATH (docs/optimizers.md), or choose one of "
+                          f"{', '.join(OPTIMIZERS)}")
+    raise ConfigError(f"optim.name={name!r} must be one of {', '.join(OPTIMIZERS)} or the module path of a registered "
+                      "optimizer (optim=NAME sets it; docs/optimizers.md)")
 
 
 def check_block(m: DictConfig) -> None:

@@ -1,5 +1,6 @@
-"""Building the run's optimizer: the elementwise one (AdamW, Lion) alone, or Muon on the hidden
-matrices and AdamW on the rest.
+"""Building the run's optimizer from the registration of `optim.name` (trainer/optim/registry.py):
+an elementwise one (AdamW, Lion) alone, or a whole-matrix one (Muon) on the parameters of its roles
+and its elementwise `rest` on the others.
 
 Which parameter goes to which optimizer is decided here once, by its role (GPT.param_role): Muon
 orthogonalizes updates of the blocks' 2-D matrices, where that helps; embeddings, the output head,
@@ -27,10 +28,7 @@ import torch
 import torch.nn as nn
 
 from trainer.model.gpt import GPT
-from trainer.optim.elementwise import elementwise_of
-from trainer.optim.muon import BatchedMuon
-
-MUON_ROLES = ("hidden",)
+from trainer.optim.registry import elementwise_of, matrix_of
 
 
 @dataclass
@@ -44,7 +42,7 @@ class ElementwiseRun:
 
 @dataclass
 class MatrixRun:
-    """A whole-matrix optimizer to run (Muon) over the (name, matrix) pairs `named`, in one group
+    """A whole-matrix optimizer to run (Muon's BatchedMuon) over the (name, matrix) pairs `named`, in one group
     with the options `group`; `row_parts` holds the row widths of the matrices each parameter
     holds side by side (q, k, v; gate, up)."""
 
@@ -62,30 +60,32 @@ class MatrixRun:
 
 def build_optimizer(model: nn.Module, optim_cfg, strategy):
     """The run's optimizer, run as `strategy` runs optimizers: the elementwise one alone, or
-    Optimizers([Muon, AdamW]) for optim=muon."""
+    Optimizers([matrix optimizer, elementwise optimizer]) (optim=muon: Muon and AdamW)."""
     raw, device = strategy.unwrap(model), strategy.rt.device
-    muon, rest = split_params(raw, optim_cfg)
+    matrices, rest = split_params(raw, optim_cfg)
     kind = elementwise_of(optim_cfg)
     elementwise = strategy.elementwise_optimizer(ElementwiseRun(
         kind.optimizer_class, param_groups((p for _, p in rest), optim_cfg.weight_decay),
         kind.kwargs(optim_cfg, device)))
-    if not muon:
+    if not matrices:
         return elementwise
-    matrices = strategy.matrix_optimizer(MatrixRun(BatchedMuon, muon, muon_group_options(optim_cfg),
-                                                   muon_kwargs(optim_cfg, device), muon_parts(raw, muon)))
-    return Optimizers([matrices, elementwise])
+    matrix = matrix_of(optim_cfg)
+    whole = strategy.matrix_optimizer(MatrixRun(matrix.optimizer_class, matrices, matrix.group_options(optim_cfg),
+                                                matrix.kwargs(optim_cfg, device), muon_parts(raw, matrices)))
+    return Optimizers([whole, elementwise])
 
 
 def split_params(model: nn.Module, optim_cfg) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """(Muon's, the elementwise optimizer's) (name, parameter) pairs; Muon's list is empty unless
-    optim.name=muon."""
-    muon, adamw = [], []
+    """(the whole-matrix optimizer's, the elementwise optimizer's) (name, parameter) pairs; the first
+    list is empty unless `optim.name` registers a Matrix optimizer (Muon: the hidden matrices)."""
+    matrix = matrix_of(optim_cfg)
+    roles = matrix.roles if matrix else ()
+    matrices, rest = [], []
     for name, param in model.named_parameters():  # the tied embedding once, under transformer.wte
         if not param.requires_grad:
             continue
-        to_muon = optim_cfg.name == "muon" and GPT.param_role(name, param) in MUON_ROLES
-        (muon if to_muon else adamw).append((name, param))
-    return muon, adamw
+        (matrices if GPT.param_role(name, param) in roles else rest).append((name, param))
+    return matrices, rest
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -98,23 +98,6 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-
-
-def muon_group_options(optim_cfg) -> dict[str, Any]:
-    """Muon's one group; `lr_scale` puts its lr on the schedule as the ratio of the two peaks."""
-    return {"lr_scale": optim_cfg.muon.lr / optim_cfg.lr}
-
-
-def muon_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
-    """Keyword arguments for BatchedMuon (Newton-Schulz in bfloat16 on CUDA and float32 elsewhere
-    with optim.muon.ns_dtype=auto; its two stacked steps compiled on CUDA)."""
-    m = optim_cfg.muon
-    dtype = m.ns_dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return dict(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-                ns_steps=m.ns_steps, adjust_lr_fn=m.adjust_lr, ns_dtype=getattr(torch, dtype),
-                compiled=device.type == "cuda")
 
 
 def muon_parts(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[nn.Parameter, tuple[int, ...]]:
@@ -174,9 +157,9 @@ def verdict(optimizer, found_inf: torch.Tensor | None):
 
 def describe_split(model: nn.Module, optim_cfg) -> str:
     """'optim=muon (Muon 0.79M params in 16 matrices, AdamW 6.44M)' for the run's first line."""
-    muon, adamw = split_params(model, optim_cfg)
-    if not muon:
+    matrices, rest = split_params(model, optim_cfg)
+    if not matrices:
         return f"optim={optim_cfg.name}"
     count = lambda pairs: sum(p.numel() for _, p in pairs) / 1e6  # noqa: E731
-    return (f"optim=muon (Muon {count(muon):.2f}M params in {len(muon)} matrices, "
-            f"AdamW {count(adamw):.2f}M in {len(adamw)} tensors)")
+    return (f"optim={optim_cfg.name} ({matrix_of(optim_cfg).label} {count(matrices):.2f}M params in "
+            f"{len(matrices)} matrices, {elementwise_of(optim_cfg).label} {count(rest):.2f}M in {len(rest)} tensors)")

@@ -14,8 +14,11 @@ exactly as the whole tensor would: each parallel mode runs it as it runs AdamW.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from trainer.optim.registry import Elementwise, State
 
 
 class Lion(torch.optim.Optimizer):
@@ -54,3 +57,12 @@ class Lion(torch.optim.Optimizer):
         torch._foreach_sign_(directions)
         torch._foreach_add_(params, directions, alpha=-lr)
         torch._foreach_lerp_(momenta, grads, 1 - beta2)
+
+
+def lion_kwargs(optim_cfg, device: torch.device) -> dict[str, Any]:
+    """Keyword arguments for Lion (the weight decay is per parameter group)."""
+    return dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas))
+
+
+# One state tensor (no step count); its step makes one copy of a tensor at a time, the interpolation.
+OPTIMIZER = Elementwise("Lion", Lion, lion_kwargs, State(tensors=("exp_avg",)), step_copies={"cpu": 1, "cuda": 1})

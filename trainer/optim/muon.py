@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from trainer.optim.registry import Matrix, State
+
 # Keller Jordan's quintic Newton-Schulz coefficients (torch.optim.Muon's defaults).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = ("original", "match_rms_adamw")
@@ -231,3 +233,26 @@ class BatchedMuon(torch.optim.Optimizer):
                 piece = piece if band.rows == short else piece.mT
                 out[index, b] = piece.reshape(L, band.count * band.rows, -1).to(updates[index].dtype)
         return out
+
+
+def muon_group_options(optim_cfg) -> dict:
+    """Muon's one group; `lr_scale` puts its lr on the schedule as the ratio of the two peaks."""
+    return {"lr_scale": optim_cfg.muon.lr / optim_cfg.lr}
+
+
+def muon_kwargs(optim_cfg, device: torch.device) -> dict:
+    """Keyword arguments for BatchedMuon (Newton-Schulz in bfloat16 on CUDA and float32 elsewhere
+    with optim.muon.ns_dtype=auto; its two stacked steps compiled on CUDA)."""
+    m = optim_cfg.muon
+    dtype = m.ns_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return dict(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                ns_steps=m.ns_steps, adjust_lr_fn=m.adjust_lr, ns_dtype=getattr(torch, dtype),
+                compiled=device.type == "cuda")
+
+
+# optim=muon: Muon on the blocks' 2-D hidden matrices (GPT.param_role "hidden"), AdamW on the rest
+# (embeddings, the output head, norms and biases are not matrices of that kind).
+OPTIMIZER = Matrix("Muon", BatchedMuon, roles=("hidden",), group_options=muon_group_options, kwargs=muon_kwargs,
+                   state=State(tensors=("momentum_buffer",)), rest="adamw")

@@ -96,7 +96,7 @@ class Strategy:
     # The two questions trainer.optim.build asks a mode: how to run the optimizer it chose over
     # this mode's parameters. Here every rank holds every whole parameter and the same gradients.
     def elementwise_optimizer(self, run: ElementwiseRun):
-        """An elementwise optimizer (trainer.optim.elementwise) over `run.groups` of this mode's parameters."""
+        """An elementwise optimizer (trainer.optim.registry) over `run.groups` of this mode's parameters."""
         return run.optimizer_class(run.groups, **run.kwargs)
 
     def matrix_optimizer(self, run: MatrixRun):
@@ -139,7 +139,7 @@ class Strategy:
     # Model state: {parameter name: tensor} with GPT's names, full or sharded (DTensor) as this
     # mode holds it; a tied alias (lm_head.weight = transformer.wte.weight) appears once.
     # Optimizer state: {parameter name: {state key: tensor}} as the optimizer keeps it
-    # (trainer.optim.elementwise.STATE: e.g. AdamW's step, exp_avg and exp_avg_sq, or Muon's
+    # (trainer.optim.registry.State: e.g. AdamW's step, exp_avg and exp_avg_sq, or Muon's
     # momentum_buffer), keyed by name so it reshards across world sizes and modes. Hyperparameters
     # come from the config.
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from trainer.errors import ConfigError
 from trainer.optim.build import parts
 from trainer.parallel.base import Strategy, row_shard_numel
-from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
+from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
 
 
 class FSDPStrategy(Strategy):

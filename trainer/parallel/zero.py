@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.optim.build import parts
-from trainer.optim.elementwise import empty_state
+from trainer.optim.registry import empty_state
 from trainer.parallel.base import load_indexed_state, row_range, row_shard_numel
 from trainer.parallel.ddp import DDPStrategy
-from trainer.parallel.muon import OwnedMuon, busiest_owner_numel
+from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
 
 
 class ZeroOptimizer:
@@ -158,7 +158,7 @@ class ZeroStrategy(DDPStrategy):
                              bucket_numel=max(1, int(self.cfg.bucket_cap_mb * 2**20 / element)), **run.kwargs)
 
     def matrix_optimizer(self, run):
-        # Whole hidden matrices by owner rank (trainer/parallel/muon.py).
+        # Whole hidden matrices by owner rank (trainer/parallel/muon_owners.py).
         return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=False)
 
     @staticmethod
@@ -172,7 +172,7 @@ class ZeroStrategy(DDPStrategy):
     # DTensor sharded by rows over all ranks (the same layout as FSDP's), under the parameter's
     # name: DCP writes each rank's rows once and reads them back at any world size and into any
     # mode; scalars (a step count) are the same on every rank. Muon's momentum (optim=muon) is
-    # whole, by name, from its owner (trainer/parallel/muon.py).
+    # whole, by name, from its owner (trainer/parallel/muon_owners.py).
     def _named_pairs(self, model, zero: ZeroOptimizer):
         names = {id(p): name for name, p in self.unwrap(model).named_parameters()}
         return [(names[id(p)], p, shard) for p, shard in zip(zero.params, zero.shards)]

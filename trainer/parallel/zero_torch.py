@@ -25,7 +25,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from trainer.optim.build import parts
-from trainer.optim.elementwise import empty_state
+from trainer.optim.registry import empty_state
 from trainer.parallel.base import load_indexed_state
 from trainer.parallel.ddp import DDPStrategy
 

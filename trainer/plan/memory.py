@@ -3,7 +3,7 @@
 What one rank holds, in bytes:
 
 * parameters, gradients and optimizer state (AdamW: exp_avg + exp_avg_sq + a step counter per
-  tensor; each elementwise optimizer's in trainer/optim/elementwise.py), full or sharded as the
+  tensor; each optimizer's as its registration says, trainer/optim/registry.py), full or sharded as the
   mode keeps them. The strategy classes say how (trainer/parallel/):
   a mode that shards parameters (FSDP) splits parameters and gradients along dim 0 in chunks of
   ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world; each
@@ -42,9 +42,8 @@ a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the bloc
 * train.activation_checkpointing: each block keeps its fp32 input; one block's activations are
   rebuilt at a time in the backward.
 
-Every case `make bench-gpu` measured (H100, torch 2.11, 2026-11-26: both models, micro batch 16 and
-32, eager, compiled, loss pieces) is within 2.5% of max_memory_allocated (docs/performance.md;
-tests/unit/test_plan_cuda.py keeps them within 5%).
+tests/unit/test_plan_cuda.py keeps the CUDA estimate within 5% of max_memory_allocated in every case
+`make bench-gpu` measures; what it measured is in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ from trainer.errors import UserError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.optim.build import param_groups, split_params
-from trainer.optim.elementwise import elementwise_of, states_of
+from trainer.optim.registry import elementwise_of, states_of
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy, row_shard_numel
 
@@ -111,7 +110,7 @@ def model_state_floor(cfg, strategy: type[Strategy], world: int) -> int:
     No model is built, not even on the meta device, whose first build imports torch._dynamo (a
     second more at every run's start), and a model too large to build is answered too."""
     count = parameter_count(cfg.model)
-    optim_per_param = 4 * min(len(state.tensors) for state in states_of(cfg.optim))
+    optim_per_param = 4 * min(len(state.tensors) for _, state in states_of(cfg.optim))
     weights_and_grads = 2 * 4 * (math.ceil(count / world) if strategy.shards_parameters else count)
     shards_state = strategy.shards_parameters or strategy.shards_optimizer_state
     return weights_and_grads + optim_per_param * (math.ceil(count / world) if shards_state else count)

@@ -3,6 +3,7 @@ before anything is written (the run directory, its .hydra/ record, dtrain.log, r
 so that a mistake they catch leaves nothing a later command would take for a run to continue.
 
     the parallel mode on this many workers   (the mode's Strategy class)
+    optim.name's registration and its optim.args (trainer/optim/registry.py)
     train.device=cuda[:N] with no CUDA device
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
@@ -26,7 +27,7 @@ from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.io import one_line
-from trainer.optim.elementwise import states_of
+from trainer.optim.registry import check_args, states_of
 from trainer.parallel import strategy_class
 from trainer.plan.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
 from trainer.process.runtime import pick_device
@@ -40,6 +41,7 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     the run's directory (None: a sweep's points before its folders are known). trainer.preflight.claim runs
     them, after the checks that need no torch."""
     check_mode(cfg, world)
+    check_args(cfg.optim)  # finds the optimizer's registration, or says why not
     device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
     check_model_fits(cfg, world, device)
     check_resume_model(cfg)
@@ -75,7 +77,7 @@ def check_model_fits(cfg, world: int, device: torch.device) -> None:
         budget, where = host_memory() // local, f"this machine's RAM{f' / {local} workers' if local > 1 else ''}"
     if budget and need > budget:
         shard = "" if strategy.shards_parameters else ", shard it over more workers (parallel=fsdp world=N)"
-        m, state = cfg.model, " and ".join(state.name for state in states_of(cfg.optim))
+        m, state = cfg.model, " and ".join(label for label, _ in states_of(cfg.optim))
         raise UserError(
             f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}: {parameter_count(m):,} parameters need "
             f"{fmt_bytes(need)} per worker for fp32 weights, gradients and {state} state "
