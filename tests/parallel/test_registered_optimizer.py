@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.checkpoints import one_process_optimizer
 from helpers.dtrain import REPO, dtrain_env, run_dtrain, tiny_args, train_losses
-from helpers.runs import MODE_RUNS, ONE_PROCESS, assert_matches_one_process
+from helpers.runs import ONE_PROCESS, assert_matches_one_process, on_reference_steps
 
 from scripts.benchmarks.memory import optimizer_state_tensors, tensor_bytes
 from trainer.config.command_line import ConfigSource
@@ -51,11 +51,11 @@ args:
   nesterov: true
 """
 STEPS, INTERVAL = 4, 2
-# 256-token steps as the parity tests run them (helpers.runs: MODE_RUNS' micro batches x world x
+# 256-token steps as the parity tests run them (helpers.runs: on_reference_steps' micro batches x world x
 # accumulation = 256), a checkpoint every 2 so zero's run is also the resume test's origin
 BATCH = ["optim=sgd", "train.total_batch_size=256", "train.seq_len=32", f"train.max_steps={STEPS}",
          f"checkpoint.interval={INTERVAL}"]
-CASES = {mode: MODE_RUNS[mode] for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp")}
+CASES = {mode: on_reference_steps(mode) for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp")}
 
 
 @pytest.fixture(scope="module")
