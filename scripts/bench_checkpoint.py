@@ -33,8 +33,9 @@ from benchmarks.harness import on_every_rank  # noqa: E402
 
 from trainer.checkpoint.layout import latest_checkpoint  # noqa: E402
 from trainer.checkpoint.manager import Checkpointer  # noqa: E402
+from trainer.config.batch import batch_plan  # noqa: E402
 from trainer.config.compose import compose  # noqa: E402
-from trainer.config.schema import batch_plan, from_dict, to_dict  # noqa: E402
+from trainer.config.schema import from_dict, to_dict  # noqa: E402
 from trainer.fit.run import TrainState  # noqa: E402
 from trainer.launch.workers import run_workers  # noqa: E402
 from trainer.model.gpt import build_model  # noqa: E402

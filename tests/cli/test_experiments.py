@@ -9,8 +9,8 @@ import subprocess
 import pytest
 from helpers.dtrain import REPO, read_metrics, run_dtrain
 
+from trainer.config.batch import batch_plan
 from trainer.config.compose import compose
-from trainer.config.schema import batch_plan
 from trainer.config.validation import validate
 
 

@@ -17,7 +17,8 @@ from helpers.errors import error_lines
 from trainer.checkpoint import manager
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.cli import main
-from trainer.config.schema import batch_plan, from_dict
+from trainer.config.batch import batch_plan
+from trainer.config.schema import from_dict
 from trainer.errors import NonFiniteError
 from trainer.fit.run import TrainState
 from trainer.model.gpt import build_model

@@ -15,8 +15,8 @@ import torch
 from trainer.checkpoint.finite import nonfinite_tensors
 from trainer.checkpoint.layout import list_checkpoints
 from trainer.checkpoint.manager import Checkpointer
+from trainer.config.batch import batch_plan
 from trainer.config.compose import compose
-from trainer.config.schema import batch_plan
 from trainer.fit.run import TrainState
 from trainer.model.gpt import build_model
 from trainer.optim.build import build_optimizer

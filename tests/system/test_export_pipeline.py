@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from trainer.data import tokenizer
+from trainer.tokenizers import gpt2
 from trainer.tokenizers.gpt2 import EOT, encode
 
 
@@ -42,4 +42,4 @@ def test_text_generation_pipeline_runs_offline(trained, hf_folder, tmp_path):
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert text == tokenizer.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))
+    assert text == gpt2.decode(idx[0].tolist()) and len(idx[0]) > len(encode(prompt))

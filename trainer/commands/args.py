@@ -97,14 +97,23 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def _read(text: str, kind: Callable[[str], int | float], what: str = "") -> int | float:
+    """text as `kind`, or argparse's error naming `what` was expected."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}{what}") from None
+
+
+def _refuse(text: str, why: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"invalid value {text!r} ({why})")
+
+
 def non_negative_int(text: str) -> int:
     """A whole number, 0 or more (a checkpoint step, --top-k)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a whole number)") from None
+    value = _read(text, int, " (a whole number)")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (0 or more)")
+        raise _refuse(text, "0 or more")
     return value
 
 
@@ -112,12 +121,9 @@ def whole_number_in(low: int, high: int, why: str) -> Callable[[str], int]:
     """A parser for whole numbers from `low` to `high`; `why` says why the bound is there."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r} (a whole number)") from None
+        value = _read(text, int, " (a whole number)")
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r} (from {low} to {high}: {why})")
+            raise _refuse(text, f"from {low} to {high}: {why}")
         return value
 
     return parse
@@ -127,12 +133,9 @@ def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]
     """A parser for values of `kind` (int, float) above 0."""
 
     def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
+        value = _read(text, kind)
         if not value > 0:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r} (must be > 0)")
+            raise _refuse(text, "must be > 0")
         return value
 
     return parse
@@ -140,21 +143,15 @@ def positive(kind: Callable[[str], int | float]) -> Callable[[str], int | float]
 
 def non_negative_float(text: str) -> float:
     """A number, 0 or more (--temperature: 0 is greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a number)") from None
+    value = _read(text, float, " (a number)")
     if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (0 or more)")
+        raise _refuse(text, "0 or more")
     return value
 
 
 def probability(text: str) -> float:
     """A number above 0, at most 1 (--top-p)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (a number)") from None
+    value = _read(text, float, " (a number)")
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r} (above 0, at most 1)")
+        raise _refuse(text, "above 0, at most 1")
     return value

@@ -42,7 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from trainer.checkpoint.tokenizer_copy import TOKENIZER_HELP
 from trainer.commands.args import ArgParser, folder_to_write, non_negative_int, positive
 from trainer.commands.eval_harness import check_results_folder, harness_eval
-from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, requested_world, to_dict
+from trainer.config.batch import requested_world
+from trainer.config.schema import PARALLEL_MODES, LaunchConfig, from_dict, to_dict
 from trainer.config.validation import check_ranges
 from trainer.errors import ConfigError
 from trainer.evals.hellaswag import HellaSwagEval

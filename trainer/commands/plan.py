@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.commands.args import ArgParser
+from trainer.config.batch import requested_world
 from trainer.config.compose import compose
-from trainer.config.schema import requested_world
 from trainer.config.validation import validate
 from trainer.model.config import GPTConfig
 from trainer.parallel import STRATEGIES

@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict, read_write
 from rich.console import Console
 
+from trainer.config.batch import requested_world
 from trainer.config.command_line import (
     check_hydra_flags,
     config_source,
@@ -42,7 +43,7 @@ from trainer.config.compose import (
     swept_keys,
 )
 from trainer.config.keys import apply_renamed_keys
-from trainer.config.schema import requested_world, to_dict
+from trainer.config.schema import to_dict
 from trainer.config.validation import validate
 from trainer.errors import UserError
 from trainer.io import folder_setting, write_errors_as_user_errors

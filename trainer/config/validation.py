@@ -10,6 +10,7 @@ import re
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from trainer.config.batch import batch_plan, requested_world
 from trainer.config.dataset_names import HF_PATH_NEEDED, UNNAMED
 from trainer.config.schema import (
     COMPILE_MODES,
@@ -30,8 +31,6 @@ from trainer.config.schema import (
     POSITIONS,
     SCHEDULES,
     Config,
-    batch_plan,
-    requested_world,
 )
 from trainer.config.shape import parameter_count
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size

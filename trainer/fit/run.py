@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config.schema import BatchPlan, batch_plan
+from trainer.config.batch import BatchPlan, batch_plan
 from trainer.data.loader import ShardLoader
 from trainer.data.mix_loader import MixtureLoader
 from trainer.data.mixture import mixed_figures, mixture_weights, source_configs

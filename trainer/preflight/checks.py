@@ -10,7 +10,8 @@ from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
-from trainer.config.schema import batch_plan, to_dict, tracker_names
+from trainer.config.batch import batch_plan
+from trainer.config.schema import to_dict, tracker_names
 from trainer.config.validation import validate
 from trainer.data.hints import prepare_command
 from trainer.data.in_use import hold_for_reading

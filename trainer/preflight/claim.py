@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config.schema import requested_world
+from trainer.config.batch import requested_world
 from trainer.config.validation import validate
 from trainer.evals.hellaswag_file import check_hellaswag_file
 from trainer.preflight.checks import check_data, check_run, record_config, say_notice

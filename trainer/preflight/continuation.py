@@ -20,8 +20,9 @@ from pathlib import Path
 
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
 from trainer.checkpoint.records import Resumable, newest_resumable
+from trainer.config.batch import batch_plan
 from trainer.config.keys import BATCH_KEYS
-from trainer.config.schema import batch_plan, to_dict
+from trainer.config.schema import to_dict
 from trainer.data.identity import data_changes, recorded_identity
 from trainer.data.mixture import describe_data
 from trainer.errors import ConfigError, DataError
