@@ -116,7 +116,7 @@ def cmd_plan(argv: list[str]) -> None:
     console.print(
         "[dim]peak = the larger of backward's start (params + optimizer + activations, + gradients where "
         "they persist (DDP/ZeRO buckets), + FSDP's gathered units) and the optimizer step (params + "
-        "gradients + optimizer + AdamW temporaries); other = gathered units + temporaries + the process "
+        "gradients + optimizer + the step's temporaries); other = gathered units + temporaries + the process "
         f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}); "
         "optimizer = the rank holding the most. * = the mode asked for.[/]"
     )
