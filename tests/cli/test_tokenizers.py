@@ -18,7 +18,7 @@ from helpers.tokenizers import byte_level_folder
 
 from trainer.config.compose import compose
 from trainer.data.layout import dataset_dir
-from trainer.tokenizers.load import load_tokenizer, shard_dtype
+from trainer.tokenizers.load import load_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 BIG_VOCAB = 70_001  # over 65,536: uint32 shards
@@ -39,11 +39,6 @@ def big_vocab_folder(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder
-
-
-def test_the_dtype_holds_the_vocabulary():
-    assert (shard_dtype(50_257), shard_dtype(65_536), shard_dtype(65_537), shard_dtype(151_936)) == \
-        ("uint16", "uint16", "uint32", "uint32")
 
 
 def test_a_byte_level_tokenizers_byte_lengths_add_up(tmp_path):

@@ -11,6 +11,7 @@ from trainer.data import shard_reader
 from trainer.errors import DataError
 from trainer.prepare import pipeline as P
 from trainer.tokenizers.gpt2 import EOT
+from trainer.tokenizers.load import shard_dtype
 
 TEXT = "".join(f"Line {i}: the quality of mercy is not strained.\n" for i in range(3000))
 
@@ -101,3 +102,8 @@ def test_empty_or_unknown_split(tmp_path):
     c.verify = "sometimes"
     with pytest.raises(DataError, match="data.verify"):
         shard_reader.open_split(c, "train")
+
+
+def test_the_dtype_holds_the_vocabulary():
+    assert (shard_dtype(50_257), shard_dtype(65_536), shard_dtype(65_537), shard_dtype(151_936)) == \
+        ("uint16", "uint16", "uint32", "uint32")  # needs no tokenizers package: not in a module that skips without it
