@@ -72,7 +72,8 @@ def test_the_hub_client_stays_online_after_the_check(clean_env, listener):
     pytest.importorskip("huggingface_hub")
     script = ("import sys; from trainer.fetch.hub import hub_unreachable; assert hub_unreachable(2.0) is None; "
               "from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE)")
-    env = {k: v for k, v in os.environ.items() if k not in (*OFFLINE_VARS, *PROXY_VARS)}
+    # none of the Hub's own switches from this session (TRANSFORMERS_OFFLINE sets huggingface_hub offline too)
+    env = {k: v for k, v in os.environ.items() if k not in PROXY_VARS and not k.startswith(("HF_", "TRANSFORMERS_"))}
     env["HF_ENDPOINT"] = _url(listener)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
