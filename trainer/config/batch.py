@@ -11,20 +11,22 @@ from omegaconf import DictConfig
 
 from trainer.errors import ConfigError
 from trainer.process.env import launched_world
+from trainer.process.mesh_shape import MeshShape
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one optimizer step is split: micro batch x seq len x world x accumulation steps."""
+    """How one optimizer step is split: micro batch x seq len x data-parallel ranks x accumulation
+    steps. Ranks of one tensor- or context-parallel group read the same batch, so they count once."""
 
     micro_batch_size: int
     seq_len: int
-    world: int
+    dp_world: int
     grad_accum_steps: int
 
     @property
     def tokens_per_micro_step(self) -> int:
-        return self.micro_batch_size * self.seq_len * self.world
+        return self.micro_batch_size * self.seq_len * self.dp_world
 
     @property
     def total_batch_size(self) -> int:
@@ -33,20 +35,42 @@ class BatchPlan:
     @property
     def chunks_per_step(self) -> int:
         """Micro batches (of micro_batch_size x seq_len) read per optimizer step, all ranks."""
-        return self.world * self.grad_accum_steps
+        return self.dp_world * self.grad_accum_steps
+
+
+def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
+    """The run's mesh from parallel.dp_replicate, parallel.cp and parallel.tp: dp_shard takes the
+    rest of `world`, so their product must divide it."""
+    p = cfg.parallel
+    sizes = {"parallel.dp_replicate": p.dp_replicate, "parallel.cp": p.cp, "parallel.tp": p.tp}
+    for key, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{key}={size} must be a whole number of ranks, 1 or more")
+    fixed = p.dp_replicate * p.cp * p.tp
+    if world % fixed:
+        named = " x ".join(f"{key}={size}" for key, size in sizes.items() if size > 1)
+        raise ConfigError(
+            f"{named} = {fixed} ranks does not divide world={world}; the mesh is dp_replicate x dp_shard "
+            f"x cp x tp = world, so set world to a multiple of {fixed} or lower those sizes"
+        )
+    return MeshShape(dp_replicate=p.dp_replicate, dp_shard=world // fixed, cp=p.cp, tp=p.tp)
 
 
 def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:
     """Derive accumulation steps from the total batch, or check the pair when both are given."""
     t = cfg.train
-    per_micro = t.micro_batch_size * t.seq_len * world
+    shape = mesh_shape(cfg, world)
+    dp_world = shape.dp_world
+    per_micro = t.micro_batch_size * t.seq_len * dp_world
+    # Say "world" while every rank is data-parallel, as users count it; else the mesh's dp size.
+    ranks = "world" if dp_world == world else f"data-parallel ranks ({shape.describe()})"
     if t.total_batch_size is None:
         accum = t.grad_accum_steps or 1
     else:
         if t.total_batch_size % per_micro:
             raise ConfigError(
                 f"train.total_batch_size={t.total_batch_size} is not divisible by micro_batch_size x "
-                f"seq_len x world = {t.micro_batch_size}x{t.seq_len}x{world} = {per_micro}; "
+                f"seq_len x {ranks} = {t.micro_batch_size}x{t.seq_len}x{dp_world} = {per_micro}; "
                 f"set train.total_batch_size to a multiple of {per_micro}"
             )
         accum = t.total_batch_size // per_micro
@@ -56,7 +80,7 @@ def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:
                 f"{t.total_batch_size} ({t.total_batch_size} / {per_micro} = {accum} steps); "
                 "give only one of them"
             )
-    return BatchPlan(t.micro_batch_size, t.seq_len, world, accum)
+    return BatchPlan(t.micro_batch_size, t.seq_len, dp_world, accum)
 
 
 def requested_world(cfg: DictConfig) -> int:

@@ -32,7 +32,7 @@ from trainer.config.schema import (
     SCHEDULES,
     Config,
 )
-from trainer.config.shape import parameter_count
+from trainer.config.shape import mlp_width, parameter_count
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size
 from trainer.errors import ConfigError
 from trainer.io import dotted_keys
@@ -247,6 +247,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
     check_block(m)
+    check_tensor_parallel(m, p.tp)
     check_model_size(m)
     check_dataset_name(cfg.data)
     if m.init_from == INIT_FROM_REQUIRED:
@@ -332,6 +333,21 @@ def check_block(m: DictConfig) -> None:
             f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
             "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
         )
+
+
+def check_tensor_parallel(m: DictConfig, tp: int) -> None:
+    """parallel.tp splits whole heads and whole rows of every matrix: it must divide the counts."""
+    if tp == 1:
+        return
+    kv_heads = m.n_head if m.n_kv_head is None else m.n_kv_head
+    counts = {"model.n_head": m.n_head, "model.n_kv_head": kv_heads, "model.n_embd": m.n_embd,
+              "the MLP width": mlp_width(m.n_embd, m.mlp, m.mlp_hidden, m.mlp_multiple_of)}
+    for what, count in counts.items():
+        if count % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide {what}={count}: each tensor-parallel rank takes whole heads "
+                f"and an equal part of each matrix; choose parallel.tp among the divisors of {count}"
+            )
 
 
 def check_model_size(m: DictConfig) -> None:

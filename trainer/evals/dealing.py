@@ -1,7 +1,8 @@
 """Batches of evaluation work dealt to the workers of `dtrain eval ... world=N`, results gathered.
 
 Every rank builds the same list of batches (the one a single process would run) and scores batch
-j when j % world is its rank; the results come back to every rank in batch order. A batch is
+j when j % dp_world is its data-parallel rank (a tensor-parallel group scores its batches together);
+the results come back to every rank in batch order. A batch is
 computed whole on one rank, with the same shapes as in one process, so the numbers do not depend
 on the world size.
 """
@@ -20,8 +21,8 @@ Item = TypeVar("Item")
 class Dealer:
     def __init__(self, rt: Runtime | None = None):
         self.rt = rt
-        self.rank = rt.rank if rt else 0
-        self.world = rt.world if rt else 1
+        self.rank = rt.dp_rank if rt else 0
+        self.world = rt.dp_world if rt else 1
 
     def map(self, batches: Sequence[Batch], score: Callable[[Batch], list[Item]]) -> list[Item]:
         """score(batch) for every batch, this rank's share computed here; every rank gets all items
@@ -29,8 +30,9 @@ class Dealer:
         mine = [score(batch) for j, batch in enumerate(batches) if j % self.world == self.rank]
         if self.world == 1:
             return [item for items in mine for item in items]
-        parts = self.rt.all_gather_object(mine)
+        parts = self.rt.all_gather_object(mine)  # by global rank; a group's ranks hold the same
+        first = self.rt.shape.first_rank
         out: list[Item] = []
         for j in range(len(batches)):
-            out += parts[j % self.world][j // self.world]
+            out += parts[first(j % self.world)][j // self.world]
         return out

@@ -13,7 +13,7 @@ three figures, each under a name that says what it is:
 
 so one name never means two numbers beside `dtrain eval --tasks hellaswag`.
 
-Distribution: example i is scored by rank i % world; every rank runs the same number of forwards
+Distribution: example i is scored by data-parallel rank i % dp_world; every rank runs the same number of forwards
 (dummy ones when its share has run out, so FSDP's collectives never hang), and the correct/total
 counts are summed over ranks.
 """
@@ -167,7 +167,8 @@ class HellaSwagEval:
             raise ConfigError(f"eval.limit={limit} must be at least 1 (or null for all examples)")
         examples = rt.from_main(lambda: read_examples(hellaswag_file(cfg.eval.hellaswag, cfg.data.dir), limit),
                                 error=DataError)
-        return cls(examples, rt.rank, rt.world, cfg.eval.hellaswag.batch_examples, cfg.model.block_size, tokenizer)
+        return cls(examples, rt.dp_rank, rt.dp_world,
+                   cfg.eval.hellaswag.batch_examples, cfg.model.block_size, tokenizer)
 
     @property
     def n_local(self) -> int:
@@ -205,4 +206,6 @@ class HellaSwagEval:
         finally:
             model.train(was_training)
         local = torch.stack([correct, correct_per_token, correct_norm, torch.tensor(self.n_local, device=device)])
-        return HellaSwagResult(*(int(t) for t in rt.all_reduce_sum(local).tolist()))
+        # The ranks of one tensor-parallel group scored the same share: count it once.
+        total = rt.all_reduce_sum(local) // rt.shape.model_parallel
+        return HellaSwagResult(*(int(t) for t in total.tolist()))

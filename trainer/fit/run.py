@@ -47,7 +47,7 @@ class Run:
 
     def __init__(self, cfg, rt: Runtime, run_dir: Path):
         self.cfg, self.rt, self.run_dir = cfg, rt, run_dir
-        self.plan: BatchPlan = batch_plan(cfg, rt.world)
+        self.plan: BatchPlan = batch_plan(cfg, rt.world)  # counts rt.dp_world's ranks
         # The same seed on every rank: replicas start identical without a broadcast.
         torch.manual_seed(cfg.train.seed)
         if rt.device.type == "cuda":
@@ -83,8 +83,8 @@ class Run:
         as it holds (rank 0 says so)."""
         t = self.cfg.train
         what = f"val split of dataset {data.name!r}"
-        val = ValidationSet(open_split(data, "val"), t.val_tokens, t.micro_batch_size, t.seq_len, self.rt.rank,
-                            self.rt.world, self.rt.device, self.tokenizer.vocab_size, what, redo_command(data))
+        val = ValidationSet(open_split(data, "val"), t.val_tokens, t.micro_batch_size, t.seq_len, self.rt.dp_rank,
+                            self.rt.dp_world, self.rt.device, self.tokenizer.vocab_size, what, redo_command(data))
         if val.sequences < val.wanted and self.rt.is_main:
             say(f"the {what} holds {val.sequences:,} sequences of seq_len {t.seq_len} ({val.tokens:,} tokens), "
                 f"fewer than train.val_tokens={t.val_tokens:,} asks: validation scores them all")
@@ -93,8 +93,8 @@ class Run:
     def _mixture_loader(self, sources: dict) -> MixtureLoader:
         t = self.cfg.train
         return MixtureLoader({name: open_split(data, "train") for name, data in sources.items()}, self.mix_weights,
-                             t.micro_batch_size, t.seq_len, self.rt.rank, self.rt.world, self.plan.grad_accum_steps,
-                             t.seed, self.rt.device, vocab_size=self.tokenizer.vocab_size,
+                             t.micro_batch_size, t.seq_len, self.rt.dp_rank, self.rt.dp_world,
+                             self.plan.grad_accum_steps, t.seed, self.rt.device, vocab_size=self.tokenizer.vocab_size,
                              redo={name: redo_command(data) for name, data in sources.items()})
 
     def _loader(self, data) -> ShardLoader:
@@ -103,8 +103,8 @@ class Run:
             open_split(data, "train"),
             t.micro_batch_size,
             t.seq_len,
-            self.rt.rank,
-            self.rt.world,
+            self.rt.dp_rank,  # ranks of one tensor-parallel group read the same batch
+            self.rt.dp_world,
             self.plan.grad_accum_steps,
             t.seed,
             self.rt.device,

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from trainer.checkpoint.manager import Checkpointer
+from trainer.config.batch import mesh_shape
 from trainer.config.schema import from_dict, to_dict
 from trainer.errors import Stopped
 from trainer.fit.loop import Trainer
@@ -74,6 +75,7 @@ def _this_rank(cfg_dict: dict) -> Iterator[tuple[DictConfig, Runtime]]:
             strategy_class(cfg.parallel.mode).needs_process_group,
             cfg.launch.timeout_s,
             cfg.launch.threads_per_worker,
+            mesh_shape(cfg, int(os.environ.get("WORLD_SIZE", 1))),
         )
     except BaseException:
         stop.uninstall(clean=False)

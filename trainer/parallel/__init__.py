@@ -61,5 +61,6 @@ def make_strategy(parallel_cfg, train_cfg, runtime, training: bool = True) -> St
     """The mode's Strategy for this worker; `training=False` for work that needs no synchronised
     replicas (evaluation), where a mode such as parallel=none may run at world > 1."""
     cls = STRATEGIES[parallel_cfg.mode]
-    cls.check_world(runtime.world, training=training)
+    cls.check_mesh(runtime.shape)
+    cls.check_world(runtime.dp_world, training=training)
     return cls(parallel_cfg, train_cfg, runtime)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from trainer.errors import ConfigError
 from trainer.model.gpt import GPT
 from trainer.optim.build import ElementwiseRun, MatrixRun, parts, verdict
+from trainer.process.mesh_shape import MeshShape
 from trainer.process.runtime import Runtime
 
 
@@ -28,6 +29,12 @@ class Strategy:
     # Gradients live in DDP's communication buckets (gradient_as_bucket_view), so they stay
     # allocated between steps instead of being freed after the optimizer step.
     keeps_gradient_buckets = False
+    # The device-mesh dimensions besides plain data parallelism this mode can run with: tensor
+    # parallelism splits matrices into DTensor shards, which only FSDP2-based modes compose with.
+    tensor_parallel = False
+    replicates_shards = False  # parallel.dp_replicate > 1: shards replicated across groups (HSDP)
+    # The mesh dimensions this mode's data parallelism runs over, kept in its DeviceMesh even at size 1.
+    data_parallel_dims: tuple[str, ...] = ("dp_shard",)
 
     # --- what the memory plan asks (class-level: no process group or device needed) -------------
     @classmethod
@@ -52,10 +59,11 @@ class Strategy:
     def __init__(self, parallel_cfg, train_cfg, runtime: Runtime):
         # Only what the mode can run on at all: whether it may train at this world is
         # make_strategy's check (an eval runs parallel=none replicas at any world).
-        self.check_world(runtime.world, training=False)
+        self.check_world(runtime.dp_world, training=False)
         self.cfg = parallel_cfg
         self.train_cfg = train_cfg
         self.rt = runtime
+        self._mesh = None
 
     @classmethod
     def check_world(cls, world: int, training: bool = True) -> None:
@@ -75,6 +83,20 @@ class Strategy:
                 f"parallel={cls.name} does not synchronise gradients, so world={world} would train {world} "
                 f"unrelated copies of the model; use parallel=ddp (or fsdp, zero) for {world} workers, "
                 f"or world=1 with parallel={cls.name}"
+            )
+
+    @classmethod
+    def check_mesh(cls, shape: MeshShape) -> None:
+        """Refuse mesh sizes this mode cannot lay out (one line, before anything starts)."""
+        if shape.tp > 1 and not cls.tensor_parallel:
+            raise ConfigError(
+                f"parallel={cls.name} cannot split layers over parallel.tp={shape.tp} ranks: tensor parallelism "
+                f"composes with parallel=fsdp, hsdp or none; use parallel=fsdp parallel.tp={shape.tp}"
+            )
+        if shape.dp_replicate > 1 and not cls.replicates_shards:
+            raise ConfigError(
+                f"parallel.dp_replicate={shape.dp_replicate} replicates sharded groups, which parallel={cls.name} "
+                f"does not do; use parallel=hsdp parallel.dp_replicate={shape.dp_replicate}, or drop the key"
             )
 
     @classmethod
@@ -133,7 +155,22 @@ class Strategy:
         return self.unwrap(model)
 
     def describe(self) -> str:
-        return self.name
+        shape = self.rt.shape
+        if shape.model_parallel == 1 and shape.dp_replicate == 1:
+            return self.name
+        return f"{self.name} ({shape.describe()})"
+
+    def device_mesh(self):
+        """The run's torch DeviceMesh, named by trainer/process/mesh_shape.py's dimensions: those above
+        1 and the mode's data-parallel ones. Built once; needs the process group."""
+        if self._mesh is None:
+            # Deferred: parallel=none and ddp never build a mesh, and DeviceMesh's import is slow.
+            from torch.distributed.device_mesh import init_device_mesh
+
+            sizes = {name: size for name, size in self.rt.shape.sizes().items()
+                     if size > 1 or name in self.data_parallel_dims}
+            self._mesh = init_device_mesh(self.rt.device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        return self._mesh
 
     # --- checkpoint state (saved and loaded with torch.distributed.checkpoint) ----------------
     # Model state: {parameter name: tensor} with GPT's names, full or sharded (DTensor) as this

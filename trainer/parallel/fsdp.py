@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -59,7 +58,8 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model):
         model = model.to(self.rt.device)
-        mesh = init_device_mesh(self.rt.device.type, (self.rt.world,))
+        # A 1-D data-parallel mesh shards (FSDP); a 2-D one replicates the shards (HSDP).
+        mesh = self.device_mesh()[self.data_parallel_dims]
         kwargs = dict(mesh=mesh, mp_policy=self.mp_policy)
         for block in model.transformer.h:
             fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)

@@ -23,6 +23,7 @@ from rich.console import Console
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from trainer.checkpoint.records import check_model_config, read_checkpoint_config
 from trainer.checkpoint.space import check_space_for_first_checkpoint
+from trainer.config.batch import mesh_shape
 from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
 from trainer.errors import UserError
@@ -55,8 +56,11 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
 def check_mode(cfg, world: int) -> None:
     """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
     strategy = strategy_class(cfg.parallel.mode)
-    strategy.check_world(world)
-    advice = strategy.world_advice(world)
+    shape = mesh_shape(cfg, world)
+    strategy.check_mesh(shape)
+    # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
+    strategy.check_world(shape.dp_world)
+    advice = strategy.world_advice(shape.dp_world)
     if advice:
         Console(stderr=True).print(f"[yellow]{advice}[/]")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from trainer.errors import ConfigError, UserError
 from trainer.process.env import restart_count
+from trainer.process.mesh_shape import MeshShape
 
 
 @dataclass
@@ -21,10 +22,29 @@ class Runtime:
     local_world: int
     device: torch.device
     distributed: bool  # a process group is up (also at world 1 for zero/fsdp)
+    # How the world is laid out (trainer/process/mesh_shape.py); every rank data-parallel unless told
+    shape: MeshShape = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.shape is None:
+            self.shape = MeshShape(dp_shard=self.world)
+        if self.shape.world != self.world:
+            raise ConfigError(f"the mesh {self.shape.describe()} holds {self.shape.world} ranks, but "
+                              f"{self.world} workers started; make the parallel sizes multiply to world")
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel batch this rank reads (ranks of one tensor-parallel group share it)."""
+        return self.shape.dp_rank(self.rank)
+
+    @property
+    def dp_world(self) -> int:
+        """How many different batches one micro step reads (world without the model-parallel ranks)."""
+        return self.shape.dp_world
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean over ranks (a no-op without a process group)."""
@@ -121,8 +141,10 @@ def _process_group_store(timeout: timedelta):
     return dist.PrefixStore(f"dtrain_attempt_{restart_count()}", store)
 
 
-def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, threads: int | None) -> Runtime:
-    """Bring up this worker: device, CPU threads, and the process group when one is needed."""
+def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, threads: int | None,
+                 shape: MeshShape | None = None) -> Runtime:
+    """Bring up this worker: device, CPU threads, and the process group when one is needed;
+    `shape` lays the world out (None: every rank data-parallel)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -149,4 +171,4 @@ def init_runtime(device_spec: str, needs_process_group: bool, timeout_s: int, th
             # device_id binds NCCL's communicator to this rank's GPU (else every barrier() warns)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if backend == "nccl" else None)
-    return Runtime(rank, local_rank, world, local_world, device, distributed)
+    return Runtime(rank, local_rank, world, local_world, device, distributed, shape)
