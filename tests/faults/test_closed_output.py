@@ -32,9 +32,23 @@ STOP_IN_LOG = re.compile(r"\] - SIGINT at step (\d+): saved (\S+); exiting with 
 WORLDS = {1: (), 2: ("parallel=ddp", "world=2")}
 
 
-def _dtrain(args: list[str], **streams) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=dtrain_env(), text=True,
-                            **streams)
+# How a terminal's shell starts a foreground job: SIGINT at its default action and not blocked. Both
+# survive exec, so a child would otherwise inherit what pytest was started with: `make test &` from a
+# script (a shell without job control) ignores SIGINT for it, and a tee started so outlives the
+# Ctrl-C, exits 0 at dtrain's end of file, and the pipe was never taken down.
+FOREGROUND = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def _in_the_foreground(command: list[str]) -> list[str]:
+    """`command` as a terminal's foreground job starts it: the same process (exec), SIGINT reset."""
+    return [sys.executable, "-c", FOREGROUND, *command]
+
+
+def _dtrain(args: list[str], foreground: bool = False, **streams) -> subprocess.Popen:
+    command = [sys.executable, "-m", "trainer", *args]
+    return subprocess.Popen(_in_the_foreground(command) if foreground else command, cwd=REPO, env=dtrain_env(),
+                            text=True, **streams)
 
 
 @pytest.mark.parametrize("world, closed", [(1, "stdout"), pytest.param(1, "stdout and stderr", marks=pytest.mark.slow),
@@ -83,8 +97,8 @@ def test_ctrl_c_that_takes_the_pipe_down_saves_says_so_in_dtrain_log_and_exits_1
     run_dir, tee_log = tmp_path / "run", tmp_path / "tee.log"
     args = args_with(data_dir, run_dir, "train.max_steps=100000", "checkpoint.interval=0", *WORLDS[world])
     # the shell's pipeline: one process group of its own (in this session: a group may only be joined there)
-    proc = _dtrain(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
-    tee = subprocess.Popen(["tee", str(tee_log)], stdin=proc.stdout, stdout=subprocess.DEVNULL,
+    proc = _dtrain(args, foreground=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0)
+    tee = subprocess.Popen(_in_the_foreground(["tee", str(tee_log)]), stdin=proc.stdout, stdout=subprocess.DEVNULL,
                            process_group=proc.pid)
     proc.stdout.close()  # tee is the pipe's only reader
     try:
@@ -98,8 +112,11 @@ def test_ctrl_c_that_takes_the_pipe_down_saves_says_so_in_dtrain_log_and_exits_1
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         tee.wait(timeout=60)
-    assert tee.returncode == -signal.SIGINT  # the reader is gone
     assert code == 128 + signal.SIGINT, f"exit code {code}:\n{tee_log.read_text()[-3000:]}"
+    # The group's SIGINT is queued for tee and dtrain in one kill(2); tee, blocked in read(), dies by it
+    # before it could see an end of file, which only a dtrain that had closed its stdout (or ended)
+    # before the Ctrl-C would have given it: so the pipe's reader was taken down, with dtrain alive.
+    assert tee.returncode == -signal.SIGINT, f"tee exit code {tee.returncode}: the pipe's reader was not taken down"
     log = (run_dir / "dtrain.log").read_text()
     lines = STOP_IN_LOG.findall(log)
     assert len(lines) == 1, log[-3000:]
