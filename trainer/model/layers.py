@@ -62,7 +62,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerStep | None = None) -> torch.Tensor:
         """Causal attention over x; with `cache` (decoding), over the cached slots and x's."""
-        B, T, C = x.shape
+        B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.split_sizes, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
@@ -87,7 +87,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, **extra
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # -1: a tensor-parallel rank's heads only
         return self.resid_dropout(self.c_proj(y))
 
 

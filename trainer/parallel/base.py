@@ -109,7 +109,14 @@ class Strategy:
     # --- model and optimizer -------------------------------------------------------------
     def wrap(self, model: GPT) -> nn.Module:
         """Put the model on its device and wrap it for this mode."""
-        return model.to(self.rt.device)
+        return self.split_layers(model.to(self.rt.device))
+
+    def split_layers(self, model: GPT) -> GPT:
+        """The model with its blocks split over the mesh's tp ranks (parallel.tp > 1), before any
+        data-parallel wrapping or compile; unchanged at tp 1."""
+        if self.rt.shape.tp == 1:
+            return model
+        return tensor_parallel_plan().parallelize(model, self.device_mesh()["tp"])
 
     def unwrap(self, model: nn.Module) -> GPT:
         """The GPT inside the wrapper (for inference and for names in checkpoints)."""
@@ -139,6 +146,8 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global norm over all gradients and return that norm (before clipping)."""
+        if self.rt.shape.tp > 1:  # DTensors on the tp mesh (and FSDP's) beside whole parameters
+            return tensor_parallel_plan().clip_grads_over_meshes(model.parameters(), max_norm, self.rt.world)
         # max_norm=inf measures the norm without clipping (optim.grad_clip=0).
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
 
@@ -181,20 +190,22 @@ class Strategy:
     # come from the config.
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         raw = self.unwrap(model)
-        state = dcp_state().get_model_state_dict(raw)
+        state = tensor_parallel_plan().canonical_state(raw, dcp_state().get_model_state_dict(raw))
         for alias in tied_aliases(raw):
             state.pop(alias, None)
         return state
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raw = self.unwrap(model)
-        full = dict(state)
+        full = tensor_parallel_plan().tensor_parallel_state(raw, state)
         for alias, name in tied_aliases(raw).items():
             full[alias] = full[name]
         dcp_state().set_model_state_dict(raw, full)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return dcp_state().get_optimizer_state_dict(self.unwrap(model), parts(optimizer))["state"]
+        raw = self.unwrap(model)
+        state = dcp_state().get_optimizer_state_dict(raw, parts(optimizer))["state"]
+        return tensor_parallel_plan().canonical_state(raw, state)
 
     def optimizer_state_template(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Tensors of the right shapes (and sharding) for a checkpoint's optimizer state to load
@@ -206,7 +217,7 @@ class Strategy:
     ) -> None:
         raw = self.unwrap(model)
         full = dcp_state().get_optimizer_state_dict(raw, parts(optimizer))  # this run's groups and hyperparameters
-        full["state"] = state
+        full["state"] = tensor_parallel_plan().tensor_parallel_state(raw, state)
         dcp_state().set_optimizer_state_dict(raw, parts(optimizer), full)
 
 
@@ -217,6 +228,15 @@ def dcp_state():
     from torch.distributed.checkpoint import state_dict  # deferred: heavy (see above)
 
     return state_dict
+
+
+def tensor_parallel_plan():
+    """trainer.parallel.tensor_parallel, imported where a run splits layers (or saves a state dict,
+    which pulls in DTensor anyway): it imports torch.distributed.tensor (about half a second), which
+    a parallel=none run at tp 1 never needs."""
+    from trainer.parallel import tensor_parallel as module  # deferred: heavy (see above)
+
+    return module
 
 
 def load_indexed_state(optimizer: torch.optim.Optimizer, indexed: dict[int, dict]) -> None:

@@ -20,6 +20,7 @@ class FSDPStrategy(Strategy):
     syncs_replicas = True
     shards_parameters = True
     shards_optimizer_state = True
+    tensor_parallel = True
 
     @classmethod
     def optimizer_state_numels(cls, groups, world):
@@ -57,7 +58,7 @@ class FSDPStrategy(Strategy):
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
     def wrap(self, model):
-        model = model.to(self.rt.device)
+        model = self.split_layers(model.to(self.rt.device))
         # A 1-D data-parallel mesh shards (FSDP); a 2-D one replicates the shards (HSDP).
         mesh = self.device_mesh()[self.data_parallel_dims]
         kwargs = dict(mesh=mesh, mp_policy=self.mp_policy)

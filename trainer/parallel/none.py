@@ -5,3 +5,4 @@ from trainer.parallel.base import Strategy
 
 class SingleStrategy(Strategy):
     name = "none"
+    tensor_parallel = True
