@@ -6,6 +6,7 @@ prepared again by prepare, and data.name alone trains on the prepared data witho
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,24 @@ def test_a_continuing_run_reads_its_data_as_prepared_though_the_files_changed(tm
         check_data(cfg, world=1)
     check_data(cfg, world=1, continues=True)
     assert manifest.read_bytes() == written
+
+
+def test_a_file_edited_in_place_to_the_same_size_is_a_change(tmp_path):
+    """A fixed typo keeps a file's size: its modification time alone shows the edit, and a run
+    that would train on the old tokens is refused, naming the file."""
+    notes = tmp_path / "notes.txt"
+    text = corpus_text()[:40_000]
+    notes.write_text(text)
+    cfg = compose(train_args(tmp_path / "data", tmp_path / "run", "data.name=notes", f"data.source={notes}",
+                             "data.auto_prepare=true")[1:])
+    check_data(cfg, world=1)  # prepares it
+    before = notes.stat()
+    notes.write_text(text.replace("the", "teh", 1))
+    os.utime(notes, ns=(before.st_atime_ns, before.st_mtime_ns + 2_000_000_000))  # a later save, whatever the clock
+    assert notes.stat().st_size == before.st_size
+    with pytest.raises(DataError, match=f"changed on disk since dataset 'notes' was prepared from it.*{notes} modified "
+                                        r"\d{4}-\d\d-\d\d .*\(same size\)"):
+        check_data(cfg, world=1)
 
 
 def test_data_name_alone_needs_no_source_and_data_text_alone_is_one_line(tmp_path):

@@ -21,6 +21,7 @@ from trainer.config.validation import check_dataset_name
 from trainer.data.identity import data_identity
 from trainer.errors import ConfigError, DataError
 from trainer.fetch.hub import OFFLINE_VARS, PROXY_VARS
+from trainer.preflight.checks import check_data
 from trainer.prepare import documents
 from trainer.prepare import pipeline as P
 from trainer.tokenizers.gpt2 import EOT, gpt2_encoding
@@ -244,3 +245,17 @@ def test_prepare_data_hf_then_train_on_it(tmp_path):
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics if "loss" in m][-1] == 4 and any("val_loss" in m for m in metrics)
 
+
+
+def test_another_text_field_under_a_prepared_name_is_refused(tmp_path):
+    """Records with two text fields, prepared as data.name=x from one: the same records' other field
+    under x is other text, refused in one line naming both (never trained on as the first field's tokens)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": d, "summary": d[:80]}) + "\n" for d in stories()))
+    keys = ["model=tiny", "data=hf", f"data.dir={tmp_path / 'data'}", f"data.hf_path={rows}", "data.name=x",
+            "data.auto_prepare=true", "data.val_fraction=0.1", "train.seq_len=32", "train.micro_batch_size=2",
+            "train.val_tokens=64"]
+    check_data(compose(keys), world=1)  # prepares x from the text field
+    with pytest.raises(DataError, match=rf"dataset 'x' in .* was prepared from data.hf_path={rows}, not "
+                                        rf"data.hf_path={rows} data.text_field=summary"):
+        check_data(compose([*keys, "data.text_field=summary"]), world=1)

@@ -68,8 +68,9 @@ def max_diff(ours, reference, x) -> float:
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.qk_norm=true"], ["model.bias=true"], ["model.n_kv_head=4"],
-                                       ["model.tie_embeddings=true", "model.pad_vocab_multiple=64"]],
-                         ids=["gqa_untied", "qwen3", "bias", "mha", "tied_pad64"])
+                                       ["model.tie_embeddings=true", "model.pad_vocab_multiple=64"],
+                                       ["model.rope_theta=500000"]],  # not the default: config.json must carry it
+                         ids=["gqa_untied", "qwen3", "bias", "mha", "tied_pad64", "rope_theta"])
 def test_the_mapping_gives_transformers_logits(overrides, tmp_path):
     model = perturbed(build_model(compose(["model=llama_tiny", *overrides]).model))
     safetensors_torch.save_file(to_hf_state_dict(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})

@@ -95,6 +95,14 @@ def test_largest_micro_batch_is_the_boundary(data_dir):
     assert largest_micro_batch(cfg, "ddp", 2, parse_size("10MiB")) == 0
 
 
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_a_budget_of_exactly_a_batchs_estimate_fits_that_batch(data_dir, batch):
+    cfg = config(data_dir, SIZES["tiny"])
+    exact = estimate(cfg, "ddp", 2, batch).total  # "fits" is at most the budget, the boundary included
+    assert largest_micro_batch(cfg, "ddp", 2, exact) == batch
+    assert largest_micro_batch(cfg, "ddp", 2, exact - 1) == batch - 1
+
+
 @pytest.mark.parametrize("text,expected", [("80GiB", 80 * 2**30), ("40 GB", 40 * 10**9), ("512MiB", 2**29),
                                            ("1.5e9", 1_500_000_000)])
 def test_parse_size(text, expected):

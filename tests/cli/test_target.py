@@ -68,15 +68,15 @@ def test_the_watch_records_the_first_evaluation_at_or_below_once():
     train = TrainConfig(target_val_loss=4.0)
     watch = TargetWatch(train, flops_per_token=1000.0)
     state = _State(step=10, tokens=2560)
-    assert not watch.reached(4.0001, state) and state.target is None
-    assert watch.reached(4.0, state)  # at the target counts
+    assert not watch.reached({"val_loss": 4.0001}, state) and state.target is None
+    assert watch.reached({"val_loss": 4.0}, state)  # at the target counts
     assert state.target == {"reached": True, "target_val_loss": 4.0, "val_loss": 4.0, "step": 10, "tokens": 2560,
                             "train_s": 2.0, "excluded_s": {"evaluation": 1.5}, "flops": 2560 * 1000.0}
     state.step = 12
-    assert not watch.reached(3.0, state) and state.target["step"] == 10  # recorded once
-    assert not watch.reached(math.nan, _State(1, 1))  # nan is never at or below
+    assert not watch.reached({"val_loss": 3.0}, state) and state.target["step"] == 10  # recorded once
+    assert not watch.reached({"val_loss": math.nan}, _State(1, 1))  # nan is never at or below
     going_on = TargetWatch(TrainConfig(target_val_loss=4.0, continue_after_target=True), 1.0)
-    assert not going_on.reached(3.9, s := _State(3, 3)) and s.target["reached"]
+    assert not going_on.reached({"val_loss": 3.9}, s := _State(3, 3)) and s.target["reached"]
     unmet = _State(20, 5120)
     assert watch.record(unmet) == {"reached": False, "target_val_loss": 4.0, "best_val_loss": 5.0, "step": 20}
     assert "not reached" in describe_target(watch.record(unmet))
@@ -170,8 +170,9 @@ def test_a_continued_run_adds_to_the_training_seconds_of_its_checkpoint(data_dir
 def test_a_bits_per_byte_target_is_watched_the_same_way():
     watch = TargetWatch(TrainConfig(target_val_bpb=2.5), flops_per_token=10.0)
     state = _State(step=4, tokens=1024)
-    assert watch.figure == "val_bpb" and not watch.reached(2.6, state)
-    assert watch.reached(2.5, state) and state.target["target_val_bpb"] == 2.5 and state.target["val_bpb"] == 2.5
+    assert watch.figure == "val_bpb" and not watch.reached({"val_bpb": 2.6}, state)
+    assert watch.reached({"val_bpb": 2.5}, state)
+    assert state.target["target_val_bpb"] == 2.5 and state.target["val_bpb"] == 2.5
     assert describe_target(state.target).startswith("val bpb 2.5000 <= 2.5 at step 4")
     assert describe_target(TargetWatch(TrainConfig(target_val_bpb=1.0), 1.0).record(_State(9, 9))) == \
         "val bpb 1.0 not reached in 9 steps"

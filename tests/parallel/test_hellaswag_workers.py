@@ -49,7 +49,8 @@ def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, hellasw
     run_dir = tmp_path / "run"
     hs = [f"eval.hellaswag.path={hellaswag_run['files']['all']}", "eval.limit=20"]
     proc = run_dtrain(tiny_args(data_dir, run_dir, "parallel=ddp", "world=2", "train.max_steps=15",
-                                "eval.hellaswag.interval=10", "eval.hellaswag.batch_examples=3", *hs))
+                                "eval.hellaswag.interval=10", "eval.hellaswag.batch_examples=3",
+                                "checkpoint.interval=10", *hs))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     logged = [r for r in read_metrics(run_dir) if "hellaswag_acc" in r]
     assert [r["step"] for r in logged] == [10, 15]
@@ -62,8 +63,9 @@ def test_logged_during_ddp_training_and_eval_of_its_checkpoint(data_dir, hellasw
     assert result["step"] == 15 and result["world"] == 1
     assert {k: result[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")} == \
         {k: logged[-1][k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
-    # the flags --tasks takes serve the built-in HellaSwag too: --step N, --limit N
-    proc = run_dtrain(["eval", str(run_dir), "--step", "15", "--limit", "7", hs[0]])
+    # the flags --tasks takes serve the built-in HellaSwag too: --step N (an older checkpoint than the
+    # newest, so that a command reading the newest fails), --limit N
+    proc = run_dtrain(["eval", str(run_dir), "--step", "10", "--limit", "7", hs[0]])
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     result = json.loads((run_dir / "eval_hellaswag.json").read_text())
-    assert result["step"] == 15 and result["hellaswag_n"] == 7
+    assert result["step"] == 10 and result["hellaswag_n"] == 7

@@ -266,3 +266,20 @@ def test_three_figures_under_three_names():
     assert result.correct_per_token == int((means.argmin(1) == labels).sum())
     assert result.correct_norm == int(((-sums / chars).argmax(1) == labels).sum())  # the harness's ll / len
     assert set(result.metrics()) == {"hellaswag_acc", "hellaswag_acc_norm", "hellaswag_acc_per_token", "hellaswag_n"}
+
+
+def test_each_figure_counts_the_ending_its_definition_picks():
+    """Labels set to each figure's own pick make that figure 1 and its opposite pick 0: the counts
+    of the test above can agree by chance (one right in four either way), these cannot."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=50304)).eval()
+    enc = gpt2_encoding()
+    examples = [Example("The cat sat on the", [e, "mat", "dog and the mouse ran away", "x"], 0)
+                for e in ["roof of the old house", "a", "hat", "mat mat mat"]]
+    sums, means = score_batch(model, [encode_example(ex, enc) for ex in examples], 64)
+    chars = torch.tensor([[len(e) for e in ex.endings] for ex in examples], dtype=torch.float64)
+    for figure, scores in (("correct", sums), ("correct_per_token", means), ("correct_norm", sums / chars)):
+        for labels, expected in ((scores.argmin(1), len(examples)), (scores.argmax(1), 0)):
+            labelled = [Example(ex.ctx, ex.endings, int(label)) for ex, label in zip(examples, labels)]
+            result = HellaSwagEval(labelled, 0, 1, 2, 64, enc=enc).evaluate(model, SINGLE)
+            assert getattr(result, figure) == expected, (figure, labels)

@@ -114,7 +114,7 @@ class Trainer:
                         view.print(f"step {state.step}: val loss {val:.4f} | val bpb {bpb:.4f}" + _by_source(figures))
                         steps.restart_window(excluded="evaluation")  # tokens/s measures training, not evaluation
                         # the run ends at its target, unless train.continue_after_target
-                        if watch.reached({"val_loss": val, "val_bpb": bpb}[watch.figure], state):
+                        if watch.reached(figures, state):
                             view.print(f"time to target: {describe_target(state.target)}")
                             last = True
                         if not math.isfinite(val) and guard.respond(f"validation loss {val}", run, checkpointer,

@@ -15,6 +15,7 @@ records {"reached": false, "target_val_loss": ..., "best_val_loss": ...}. No tor
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -31,11 +32,15 @@ class TargetWatch:
         self.go_on = train_cfg.continue_after_target
         self.flops_per_token = flops_per_token
 
-    def reached(self, value: float, state) -> bool:
-        """After an evaluation (its seconds already counted as excluded), with the watched figure's
-        `value`: record the target when this is the first evaluation at or below it; True when the
-        run is to end here."""
-        if self.target is None or state.target is not None or not value <= self.target:
+    def reached(self, figures: Mapping[str, float], state) -> bool:
+        """After an evaluation (its seconds already counted as excluded), with its `figures` (the
+        validation's {"val_loss": ..., "val_bpb": ..., ...}): record the target when the watched
+        figure is at or below it for the first time; True when the run is to end here. The watch,
+        not the loop, picks the figure, so the choice is tested in-process (tests/unit/test_target_watch.py)."""
+        if self.target is None or state.target is not None:
+            return False
+        value = figures[self.figure]
+        if not value <= self.target:  # nan is never at or below
             return False
         state.target = {
             "reached": True, f"target_{self.figure}": self.target, self.figure: value,
