@@ -106,8 +106,8 @@ def test_plan_command_prints_every_mode():
                        "--device-memory", "8GiB"])
     assert proc.returncode == 0, proc.stderr
     rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│")]
-    assert rows == ["none", "dp", "ddp", "zero", "zero_torch", "fsdp"], proc.stdout  # least to most sharded
-    for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp *"):
+    assert rows == ["none", "dp", "ddp", "zero", "zero_torch", "fsdp", "hsdp"], proc.stdout  # least to most sharded
+    for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp *", "hsdp"):
         assert f" {mode} " in proc.stdout, proc.stdout
     assert "max micro batch" in proc.stdout and "8.00 GiB" in proc.stdout
 
