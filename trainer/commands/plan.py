@@ -2,9 +2,13 @@
 
     dtrain plan model=gpt2_124m parallel=fsdp world=8 train.micro_batch_size=16 --device-memory 80GiB
     dtrain plan --device cuda model=gpt2_124m train.compile=true      # a GPU run, planned from any host
+    dtrain plan model=llama3_70b world=64 parallel=fsdp parallel.tp=8 train.device=cuda   # a mesh
 
 The estimate (trainer/plan/memory.py) is for the config the overrides compose (train.compile,
-train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked.
+train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked, with a
+line saying whether one sequence of the model's whole context fits it with activation checkpointing.
+The sharded modes' model state is read from their real DTensor shards (trainer/plan/shards.py) at
+the mesh parallel.dp_replicate / parallel.tp / world give.
 --device picks the device the run will use (default: train.device, where auto is this host's).
 Without --device-memory the budget is the visible GPU's memory (an 80 GiB H100's when planning
 for CUDA on a host without one), or for a CPU run the machine's RAM shared by the workers of one node.
@@ -88,8 +92,9 @@ def _shard_note(cfg, strategy: type[Strategy], world: int) -> str:
     """Where a sharded mode's figures come from, and how its ranks differ."""
     shards = shard_plan(cfg, strategy.name, world)
     busiest, totals = shards.busiest_rank, shards.totals
-    spread = (f"ranks differ: rank {busiest} holds the most, {fmt_bytes(totals[busiest])} of params + grads + "
-              f"optimizer, the least {fmt_bytes(min(totals))}" if shards.ranks_differ
+    least = min(range(len(totals)), key=totals.__getitem__)
+    spread = (f"ranks differ: rank {busiest} holds the most ({fmt_bytes(totals[busiest])} of params + grads + "
+              f"optimizer, {totals[busiest] - totals[least]:,} bytes more than rank {least})" if shards.ranks_differ
               else "every rank holds the same")
     tp = (f"; parallel.tp={mesh_shape(cfg, world).tp} is estimated (this build's wrap does not split layers "
           "yet: each matrix's shard divided by tp, norms whole)" if shards.tp_estimated else "")

@@ -4,11 +4,12 @@ What one rank holds, in bytes:
 
 * parameters, gradients and optimizer state (AdamW: exp_avg + exp_avg_sq + a step counter per
   tensor; each optimizer's as its registration says, trainer/optim/registry.py), full or sharded as the
-  mode keeps them. The strategy classes say how (trainer/parallel/):
-  a mode that shards parameters (FSDP) splits parameters and gradients along dim 0 in chunks of
-  ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world; each
-  mode's `optimizer_state_numels` gives what its busiest rank keeps of the optimizer state (row
-  chunks of every tensor for zero and fsdp, whole tensors for zero_torch).
+  mode keeps them. A mode that shards parameters into DTensors (fsdp, hsdp, with tensor
+  parallelism inside) is counted on the real shards of its own wrap of a meta model, every rank
+  of the mesh (trainer/plan/shards.py), and the busiest rank reported; for the others the strategy
+  classes say how (trainer/parallel/): each mode's `optimizer_state_numels` gives what its busiest
+  rank keeps of the optimizer state (row chunks of every tensor for zero, whole tensors for
+  zero_torch).
 * activations of one micro batch: what forward keeps for backward per transformer block, plus
   the language-model head (logits, their log-softmax and the gradients of both), which for
   GPT-2's 50k vocabulary is often the largest single piece.

@@ -96,19 +96,26 @@ def _fake_world(world: int):
         dist.destroy_process_group()
 
 
-def _rank_numels(param: torch.Tensor, world: int, cache: dict) -> tuple[int, ...]:
-    """Elements of `param` each global rank holds: its DTensor local shard, or the whole tensor
-    on every rank for a plain one."""
+def _rank_numels(param: torch.Tensor, root, cache: dict) -> tuple[int, ...]:
+    """Elements of `param` each global rank of the run's mesh `root` holds: its DTensor local shard,
+    or the whole tensor on every rank for a plain one. A DTensor lives on a sub-mesh of `root` (FSDP's
+    data-parallel dimensions, say): a rank's shard is the one at its coordinates along those."""
+    world = root.mesh.numel()
     if not isinstance(param, DTensor):
         return (param.numel(),) * world
     mesh, placements = param.device_mesh, tuple(param.placements)
-    key = (tuple(param.shape), placements, tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+    names = mesh.mesh_dim_names or ()
+    key = (tuple(param.shape), placements, tuple(mesh.shape), names)
     if key not in cache:
+        root_names = root.mesh_dim_names
+        if any(name not in root_names for name in names):
+            raise RuntimeError(f"a parameter's mesh dimensions {names} are not the run's {root_names}")
+        dims = [root_names.index(name) for name in names]
         numels = [0] * world
-        ranks = mesh.mesh
-        for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
-            local, _ = _compute_local_shape_and_global_offset(param.shape, mesh.shape, list(coordinate), placements)
-            numels[int(ranks[coordinate])] = math.prod(local)
+        for coordinate in itertools.product(*(range(n) for n in root.mesh.shape)):
+            local, _ = _compute_local_shape_and_global_offset(
+                param.shape, mesh.shape, [coordinate[d] for d in dims], placements)
+            numels[int(root.mesh[coordinate])] = math.prod(local)
         cache[key] = tuple(numels)
     return cache[key]
 
@@ -148,12 +155,13 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
         with _MetaStaysMeta():
             wrapped = strategy.wrap(model)
         raw = strategy.unwrap(wrapped)
+        root = strategy.device_mesh()
         matrices, rest = split_params(raw, optim_cfg)
         cache: dict = {}
         tp_estimated = shape.tp > 1 and not any(_splits_tp(p) for p in raw.parameters())
 
         def numels(param) -> tuple[int, ...]:
-            held = _rank_numels(param, world, cache)
+            held = _rank_numels(param, root, cache)
             if tp_estimated and param.dim() >= 2:
                 held = tuple(math.ceil(n / shape.tp) for n in held)
             return held
