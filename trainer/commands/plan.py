@@ -79,6 +79,12 @@ def _summary(strategy: type[Strategy]) -> str:
     return doc.removeprefix("parallel=")
 
 
+def _ranks(cfg, strategy: type[Strategy], world: int) -> int:
+    """The processes `strategy` runs on: `world`, or for a mode that trains one data-parallel
+    replica, its tensor- and context-parallel group (1 without one)."""
+    return world if strategy.syncs_replicas else mesh_shape(cfg, world).model_parallel
+
+
 def _mesh_refusal(cfg, strategy: type[Strategy], world: int) -> str | None:
     """Why `strategy` cannot lay out the config's mesh at `world` ranks (None when it can)."""
     try:
@@ -89,7 +95,7 @@ def _mesh_refusal(cfg, strategy: type[Strategy], world: int) -> str | None:
 
 
 def _shard_note(cfg, strategy: type[Strategy], world: int) -> str:
-    """Where a sharded mode's figures come from, and how its ranks differ."""
+    """Where a sharded (or tensor-parallel) mode's figures come from, and how its ranks differ."""
     shards = shard_plan(cfg, strategy.name, world)
     busiest, totals = shards.busiest_rank, shards.totals
     least = min(range(len(totals)), key=totals.__getitem__)
@@ -140,8 +146,7 @@ def cmd_plan(argv: list[str]) -> None:
     strategies = sorted(STRATEGIES.values(), key=_least_to_most_sharded)
     notes = []
     for strategy in strategies:
-        # A mode that runs one data-parallel process still spans its tensor-parallel group.
-        w = world if strategy.syncs_replicas else mesh_shape(cfg, world).model_parallel
+        w = _ranks(cfg, strategy, world)
         refusal = _mesh_refusal(cfg, strategy, w)
         asked = strategy.name == chosen
         name = ("[bold]" if asked else "") + strategy.name + (" *" if asked else "")
@@ -160,7 +165,7 @@ def cmd_plan(argv: list[str]) -> None:
             "[green]yes[/]" if fits else "[red]no[/]",
             str(best) if best else "[red]none[/]",
         )
-        if strategy.shards_parameters:
+        if strategy.shards_parameters or shape.tp > 1:
             notes.append(_shard_note(cfg, strategy, w))
     console = Console(width=max(Console().width, 150))
     console.print(table)
@@ -173,7 +178,9 @@ def cmd_plan(argv: list[str]) -> None:
     )
     for note in notes:
         console.print(f"[dim]  {note}[/]", highlight=False)
-    if chosen in STRATEGIES and not _mesh_refusal(cfg, STRATEGIES[chosen], world):
-        console.print(_full_context_verdict(cfg, chosen, world, memory, device_type), highlight=False)
+    asked_mode = STRATEGIES[chosen]
+    if not _mesh_refusal(cfg, asked_mode, _ranks(cfg, asked_mode, world)):
+        console.print(_full_context_verdict(cfg, chosen, _ranks(cfg, asked_mode, world), memory, device_type),
+                      highlight=False)
     for strategy in strategies:
         console.print(f"[dim]  {_summary(strategy)}[/]", highlight=False)

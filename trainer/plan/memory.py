@@ -252,7 +252,7 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     tp = mesh_shape(cfg, world).tp if strategy.tensor_parallel else 1
     activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len) // tp
     if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
-        activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
+        activations += 2 * n_total // tp  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
     # --- model state per rank -------------------------------------------------------------------
     # The elementwise optimizer's state tensors (AdamW's exp_avg and exp_avg_sq, Lion's exp_avg) for
@@ -267,8 +267,9 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         largest_muon = max(math.prod(p) for p in shapes.muon)
         muon_buffers += 3 * largest_muon + 2 * max(min(p) ** 2 for p in shapes.muon)
     gathered = 0
-    if strategy.shards_parameters:
-        # DTensor shards: counted on the mode's own wrap of a meta model (trainer/plan/shards.py).
+    if strategy.shards_parameters or tp > 1:
+        # DTensor shards (FSDP's, tensor parallelism's): counted on the mode's own wrap of a meta
+        # model (trainer/plan/shards.py).
         # Deferred import: DTensor and the fake process group load only when a sharded mode is
         # planned, not at every run's start (the preflight imports this module).
         from trainer.plan.shards import shard_plan
@@ -277,7 +278,7 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         busiest = shards.busiest_rank
         p_b, g_b, o_b = shards.params[busiest], shards.grads[busiest], shards.optim[busiest] + shards.muon
         largest = shards.largest
-        if world > 1:
+        if strategy.shards_parameters and world > 1:
             # The root unit (embedding, head, positions, final norm) is gathered at backward's
             # start: all-gather buffer + unsharded parameters, then its unsharded gradient +
             # reduce-scatter input; a tied embedding also sums the head's and the lookup's dense
