@@ -162,6 +162,9 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
 
         def numels(param) -> tuple[int, ...]:
             held = _rank_numels(param, root, cache)
+            if isinstance(param, DTensor) and held[0] != param.to_local().numel():  # this process is rank 0
+                raise RuntimeError(f"rank 0's shard of a {tuple(param.shape)} parameter holds "
+                                   f"{param.to_local().numel()} elements, the placements say {held[0]}")
             if tp_estimated and param.dim() >= 2:
                 held = tuple(math.ceil(n / shape.tp) for n in held)
             return held
