@@ -11,6 +11,7 @@ from helpers.dtrain import REPO, dtrain_env, run_dtrain
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
+from trainer.parallel.fsdp import FSDPStrategy
 from trainer.plan.memory import estimate, largest_micro_batch, parse_size
 
 # Two model sizes whose peaks differ in make-up: tiny (3.3M params, nearly all embedding; the
@@ -114,8 +115,8 @@ def test_plan_command_prints_every_mode():
                        "--device-memory", "8GiB"])
     assert proc.returncode == 0, proc.stderr
     rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("│")]
-    assert rows == ["none", "dp", "ddp", "zero", "zero_torch", "fsdp"], proc.stdout  # least to most sharded
-    for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp *"):
+    assert rows == ["none", "dp", "ddp", "zero", "zero_torch", "fsdp", "hsdp"], proc.stdout  # least to most sharded
+    for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp *", "hsdp"):
         assert f" {mode} " in proc.stdout, proc.stdout
     assert "max micro batch" in proc.stdout and "8.00 GiB" in proc.stdout
 
@@ -143,3 +144,22 @@ def test_plan_device_cuda_runs_without_a_gpu():
     none_row = next(r for r in rows if r[1].strip().startswith("none"))
     peak = none_row[8].split()
     assert peak[1] == "GiB" and 20 < float(peak[0]) < 24, none_row  # 20.7 GiB of tensors + the CUDA context
+
+
+@pytest.mark.parametrize("mesh", [
+    [],
+    # runs once parallel=fsdp composes with tensor parallelism (issue 47 item 3)
+    pytest.param(["parallel.tp=8"], marks=pytest.mark.skipif(not FSDPStrategy.tensor_parallel,
+                                                              reason="parallel=fsdp does not take parallel.tp yet")),
+], ids=["fsdp64", "fsdp8xtp8"])
+def test_plan_of_70b_on_64_gpus_reads_the_shards_and_answers_the_whole_context(mesh):
+    env = {**dtrain_env(), "CUDA_VISIBLE_DEVICES": ""}
+    proc = run_dtrain(["plan", "model=llama3_70b", "world=64", "parallel=fsdp", *mesh, "train.device=cuda"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "fsdp: params, grads and optimizer read from the DTensor shards of its own wrap" in out, out
+    assert "micro batch 1 x seq 8192, activation checkpointing on" in out and "in 80.00 GiB" in out, out
+    fsdp_row = next(line.split("│") for line in proc.stdout.splitlines() if line.startswith("│ fsdp *"))
+    assert fsdp_row[3].split() == ["4.11", "GiB"]  # 70.55B fp32 parameters over 64 ranks
+    if mesh:
+        assert "does not fit" not in out and "ddp: parallel=ddp cannot split layers" in out, out

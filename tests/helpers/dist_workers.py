@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.config.batch import mesh_shape, requested_world
 from trainer.config.schema import from_dict
 from trainer.fit.run import Run
 from trainer.parallel import strategy_class
@@ -25,11 +26,14 @@ def _bytes(tensors) -> int:
 def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
     """Train a few steps, then report this rank's weights digest and what it holds in memory."""
     cfg = from_dict(cfg_dict)
-    rt = init_runtime("cpu", strategy_class(cfg.parallel.mode).needs_process_group, 120, 1)
+    # the run's own mesh (parallel.dp_replicate, parallel.tp), as trainer/fit/worker.py lays it out
+    rt = init_runtime("cpu", strategy_class(cfg.parallel.mode).needs_process_group, 120, 1,
+                      shape=mesh_shape(cfg, requested_world(cfg)))
     try:
         run = Run(cfg, rt, Path(run_dir))
         for step in range(steps):
             run.train_step(step)
+        run.forward_backward()  # live gradients to measure (the optimizer step drops its own); weights unchanged
         raw = run.strategy.unwrap(run.model)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in raw.named_parameters()}
         digest = hashlib.sha256(b"".join(full[n].numpy().tobytes() for n in sorted(full))).hexdigest()

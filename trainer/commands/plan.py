@@ -2,9 +2,13 @@
 
     dtrain plan model=gpt2_124m parallel=fsdp world=8 train.micro_batch_size=16 --device-memory 80GiB
     dtrain plan --device cuda model=gpt2_124m train.compile=true      # a GPU run, planned from any host
+    dtrain plan model=llama3_70b world=64 parallel=fsdp parallel.tp=8 train.device=cuda   # a mesh
 
 The estimate (trainer/plan/memory.py) is for the config the overrides compose (train.compile,
-train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked.
+train.activation_checkpointing and train.loss_chunks included); the mode asked for is marked, with a
+line saying whether one sequence of the model's whole context fits it with activation checkpointing.
+The sharded modes' model state is read from their real DTensor shards (trainer/plan/shards.py) at
+the mesh parallel.dp_replicate / parallel.tp / world give.
 --device picks the device the run will use (default: train.device, where auto is this host's).
 Without --device-memory the budget is the visible GPU's memory (an 80 GiB H100's when planning
 for CUDA on a host without one), or for a CPU run the machine's RAM shared by the workers of one node.
@@ -15,17 +19,20 @@ from __future__ import annotations
 import sys
 
 import torch
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from trainer.commands.args import ArgParser
-from trainer.config.batch import requested_world
+from trainer.config.batch import mesh_shape, requested_world
 from trainer.config.compose import compose
 from trainer.config.validation import validate
+from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
 from trainer.plan.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size
+from trainer.plan.shards import shard_plan
 
 _SIZE_MISSING = object()  # --device-memory given without a size
 ASSUMED_GPU_MEMORY = 80 * 1024**3  # --device cuda on a host without a GPU: an H100's 80 GiB
@@ -72,6 +79,45 @@ def _summary(strategy: type[Strategy]) -> str:
     return doc.removeprefix("parallel=")
 
 
+def _ranks(cfg, strategy: type[Strategy], world: int) -> int:
+    """The processes `strategy` runs on: `world`, or for a mode that trains one data-parallel
+    replica, its tensor- and context-parallel group (1 without one)."""
+    return world if strategy.syncs_replicas else mesh_shape(cfg, world).model_parallel
+
+
+def _mesh_refusal(cfg, strategy: type[Strategy], world: int) -> str | None:
+    """Why `strategy` cannot lay out the config's mesh at `world` ranks (None when it can)."""
+    try:
+        strategy.check_mesh(mesh_shape(cfg, world))
+    except ConfigError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def _shard_note(cfg, strategy: type[Strategy], world: int) -> str:
+    """Where a sharded (or tensor-parallel) mode's figures come from, and how its ranks differ."""
+    shards = shard_plan(cfg, strategy.name, world)
+    busiest, totals = shards.busiest_rank, shards.totals
+    least = min(range(len(totals)), key=totals.__getitem__)
+    spread = (f"ranks differ: rank {busiest} holds the most ({fmt_bytes(totals[busiest])} of params + grads + "
+              f"optimizer, {totals[busiest] - totals[least]:,} bytes more than rank {least})" if shards.ranks_differ
+              else "every rank holds the same")
+    tp = (f"; parallel.tp={mesh_shape(cfg, world).tp} is estimated (this build's wrap does not split layers "
+          "yet: each matrix's shard divided by tp, norms whole)" if shards.tp_estimated else "")
+    return (f"{strategy.name}: params, grads and optimizer read from the DTensor shards of its own wrap "
+            f"({mesh_shape(cfg, world).describe()}, a meta model under a fake process group); {spread}{tp}")
+
+
+def _full_context_verdict(cfg, mode: str, world: int, memory: int, device_type: str) -> str:
+    """Whether one sequence of the model's whole context fits with activation checkpointing."""
+    T = cfg.model.block_size
+    longest = OmegaConf.merge(cfg, {"train": {"seq_len": T, "micro_batch_size": 1, "activation_checkpointing": True}})
+    est = estimate(longest, mode, world, 1, device_type)
+    verdict = "[green]fits[/]" if est.total <= memory else "[red]does not fit[/]"
+    return (f"parallel={mode} at its whole context: micro batch 1 x seq {T}, activation checkpointing on: "
+            f"peak {fmt_bytes(est.total)} per rank, {verdict} in {fmt_bytes(memory)}")
+
+
 def cmd_plan(argv: list[str]) -> None:
     overrides, memory, device = _parse(argv)
     cfg = compose(overrides)
@@ -83,10 +129,12 @@ def cmd_plan(argv: list[str]) -> None:
     if memory is None:
         memory, source = _default_memory(device_type, max(1, world // max(1, cfg.launch.nnodes)))
     B = cfg.train.micro_batch_size
+    shape = mesh_shape(cfg, world)
     model = (f"{cfg.model.name}: {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd} "
              f"({GPTConfig.from_cfg(cfg.model).summary()})")
     table = Table(
-        title=f"per-rank memory estimate: {model}, micro batch {B} x seq {cfg.train.seq_len}, "
+        title=f"per-rank memory estimate: {model}, mesh {shape.describe()}, "
+              f"micro batch {B} x seq {cfg.train.seq_len}, "
               f"{device_type}{' compiled' if cfg.train.compile and device_type == 'cuda' else ''}, "
               f"{'checkpointed, ' if cfg.train.activation_checkpointing else ''}"
               f"{f'loss in {cfg.train.loss_chunks} pieces, ' if cfg.train.loss_chunks > 1 else ''}"
@@ -96,21 +144,29 @@ def cmd_plan(argv: list[str]) -> None:
                 "max micro batch"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     strategies = sorted(STRATEGIES.values(), key=_least_to_most_sharded)
+    notes = []
     for strategy in strategies:
-        w = world if strategy.syncs_replicas else 1  # the other modes run one process
+        w = _ranks(cfg, strategy, world)
+        refusal = _mesh_refusal(cfg, strategy, w)
+        asked = strategy.name == chosen
+        name = ("[bold]" if asked else "") + strategy.name + (" *" if asked else "")
+        if refusal:
+            table.add_row(name, str(w), *["-"] * 6, "[dim]no[/]", "[dim]-[/]")
+            notes.append(f"{strategy.name}: {refusal}")
+            continue
         est = estimate(cfg, strategy.name, w, B, device_type)
         other = est.gathered + est.runtime + (est.temporaries if est.step_peak > est.backward_peak else 0)
         fits = est.total <= memory
         best = largest_micro_batch(cfg, strategy.name, w, memory, device_type)
-        asked = strategy.name == chosen
         table.add_row(
-            ("[bold]" if asked else "") + strategy.name + (" *" if asked else ""),
-            str(w),
+            name, str(w),
             fmt_bytes(est.params), fmt_bytes(est.grads), fmt_bytes(est.optim), fmt_bytes(est.activations),
             fmt_bytes(other), fmt_bytes(est.total),
             "[green]yes[/]" if fits else "[red]no[/]",
             str(best) if best else "[red]none[/]",
         )
+        if strategy.shards_parameters or shape.tp > 1:
+            notes.append(_shard_note(cfg, strategy, w))
     console = Console(width=max(Console().width, 150))
     console.print(table)
     console.print(
@@ -120,5 +176,11 @@ def cmd_plan(argv: list[str]) -> None:
         f"itself ({'CUDA context, workspaces' if device_type == 'cuda' else 'library code, thread pools'}); "
         "optimizer = the rank holding the most. * = the mode asked for.[/]"
     )
+    for note in notes:
+        console.print(f"[dim]  {note}[/]", highlight=False)
+    asked_mode = STRATEGIES[chosen]
+    if not _mesh_refusal(cfg, asked_mode, _ranks(cfg, asked_mode, world)):
+        console.print(_full_context_verdict(cfg, chosen, _ranks(cfg, asked_mode, world), memory, device_type),
+                      highlight=False)
     for strategy in strategies:
         console.print(f"[dim]  {_summary(strategy)}[/]", highlight=False)

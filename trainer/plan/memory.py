@@ -4,11 +4,12 @@ What one rank holds, in bytes:
 
 * parameters, gradients and optimizer state (AdamW: exp_avg + exp_avg_sq + a step counter per
   tensor; each optimizer's as its registration says, trainer/optim/registry.py), full or sharded as the
-  mode keeps them. The strategy classes say how (trainer/parallel/):
-  a mode that shards parameters (FSDP) splits parameters and gradients along dim 0 in chunks of
-  ceil(rows / world), so the largest rank holds at most a row per tensor more than 1/world; each
-  mode's `optimizer_state_numels` gives what its busiest rank keeps of the optimizer state (row
-  chunks of every tensor for zero and fsdp, whole tensors for zero_torch).
+  mode keeps them. A mode that shards parameters into DTensors (fsdp, hsdp, with tensor
+  parallelism inside) is counted on the real shards of its own wrap of a meta model, every rank
+  of the mesh (trainer/plan/shards.py), and the busiest rank reported; for the others the strategy
+  classes say how (trainer/parallel/): each mode's `optimizer_state_numels` gives what its busiest
+  rank keeps of the optimizer state (row chunks of every tensor for zero, whole tensors for
+  zero_torch).
 * activations of one micro batch: what forward keeps for backward per transformer block, plus
   the language-model head (logits, their log-softmax and the gradients of both), which for
   GPT-2's 50k vocabulary is often the largest single piece.
@@ -55,16 +56,16 @@ import re
 
 import torch
 from omegaconf import OmegaConf
-from torch.overrides import TorchFunctionMode
 
+from trainer.config.batch import mesh_shape
 from trainer.config.shape import parameter_count
 from trainer.errors import UserError
 from trainer.model.config import GPTConfig
-from trainer.model.gpt import GPT
 from trainer.optim.build import param_groups, split_params
 from trainer.optim.registry import elementwise_of, states_of
 from trainer.parallel import STRATEGIES
-from trainer.parallel.base import Strategy, row_shard_numel
+from trainer.parallel.base import Strategy
+from trainer.plan.meta import meta_model
 
 # ------------------------------------------------------------------------------------ sizes
 
@@ -202,21 +203,9 @@ def _shapes(model_cfg, optim_name: str) -> _Shapes:
     return _shapes_of(dataclasses.astuple(GPTConfig.from_cfg(model_cfg)), optim_name)
 
 
-class _ValuesSkipped(TorchFunctionMode):
-    """torch.nn.init's fills skipped while a model is built for its shapes: a meta tensor holds no
-    values, and meta normal_ (nn.Embedding's own init) is a Python reference whose first call
-    imports torch._dynamo, about a second of every run's start (tests/system/test_startup.py)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
 @functools.lru_cache(maxsize=8)
 def _shapes_of(fields: tuple, optim_name: str) -> _Shapes:
-    with torch.device("meta"), _ValuesSkipped():
-        model = GPT(GPTConfig(*fields))
+    model = meta_model(GPTConfig(*fields))
     muon, adamw = split_params(model, OmegaConf.create({"name": optim_name}))
     groups = param_groups((p for _, p in adamw), 0.0)
     blocks = model.transformer.h
@@ -258,9 +247,12 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
 
     # --- activations of one micro batch ------------------------------------------------------
     L = m.n_layer
-    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len)
+    # Tensor parallelism with sequence parallelism splits every activation a block keeps, and the
+    # loss-parallel head its logits, over the tp ranks (Megatron-LM's accounting).
+    tp = mesh_shape(cfg, world).tp if strategy.tensor_parallel else 1
+    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len) // tp
     if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
-        activations += 2 * n_total  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
+        activations += 2 * n_total // tp  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
     # --- model state per rank -------------------------------------------------------------------
     # The elementwise optimizer's state tensors (AdamW's exp_avg and exp_avg_sq, Lion's exp_avg) for
@@ -268,34 +260,42 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     # tensor; with optim=muon the hidden matrices instead keep Muon's one momentum buffer each
     # (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
     elementwise = elementwise_of(cfg.optim)
-    held = strategy.optimizer_state_numels([list(group) for group in shapes.adamw_groups], world)
-    o_b = len(elementwise.state.tensors) * sum(held) * fp32 + 4 * len(elementwise.state.scalars) * len(held)
     muon_buffers = 0
     if shapes.muon:
-        kept, muon_buffers = strategy.muon_numels(list(shapes.muon), world)
+        _, muon_buffers = strategy.muon_numels(list(shapes.muon), world)
         # Newton-Schulz's float32 temporaries: the update, its transpose, two Gram products.
         largest_muon = max(math.prod(p) for p in shapes.muon)
         muon_buffers += 3 * largest_muon + 2 * max(min(p) ** 2 for p in shapes.muon)
-        o_b += kept * fp32
     gathered = 0
-    if strategy.shards_parameters:
-        shard = sum(row_shard_numel(p, world) for p in params)
-        p_b = g_b = shard * fp32
-        largest = max(row_shard_numel(p, world) for p in params)
-        if world > 1:
+    if strategy.shards_parameters or tp > 1:
+        # DTensor shards (FSDP's, tensor parallelism's): counted on the mode's own wrap of a meta
+        # model (trainer/plan/shards.py).
+        # Deferred import: DTensor and the fake process group load only when a sharded mode is
+        # planned, not at every run's start (the preflight imports this module).
+        from trainer.plan.shards import shard_plan
+
+        shards = shard_plan(cfg, mode, world)
+        busiest = shards.busiest_rank
+        p_b, g_b, o_b = shards.params[busiest], shards.grads[busiest], shards.optim[busiest] + shards.muon
+        largest = shards.largest
+        if strategy.shards_parameters and world > 1:
             # The root unit (embedding, head, positions, final norm) is gathered at backward's
             # start: all-gather buffer + unsharded parameters, then its unsharded gradient +
             # reduce-scatter input; a tied embedding also sums the head's and the lookup's dense
             # gradients there. Copies of the root measured on torch 2.13 (CPU, world 2): about 6
             # tied, 1.5 untied (its two tables' gradients are not summed). Blocks one at a time
-            # + prefetch.
+            # + prefetch. Under tensor parallelism a unit gathers only its tp shard.
             per_block = sum(math.prod(p) for p in shapes.block)
             root = n_total - per_block * L
             copies = ROOT_COPIES_TIED if m.get("tie_embeddings", True) else ROOT_COPIES_UNTIED
-            gathered = int((copies * root + 2 * per_block) * (2 if act == 2 else 4))
+            gathered = int((copies * root + 2 * per_block) * (2 if act == 2 else 4) / tp)
     else:
         p_b = g_b = n_total * fp32
         largest = max(math.prod(p) for p in params)
+        held = strategy.optimizer_state_numels([list(group) for group in shapes.adamw_groups], world)
+        o_b = len(elementwise.state.tensors) * sum(held) * fp32 + 4 * len(elementwise.state.scalars) * len(held)
+        if shapes.muon:
+            o_b += strategy.muon_numels(list(shapes.muon), world)[0] * fp32
     # The elementwise step's copies of one tensor at a time (AdamW's sqrt(v) and its scaled copy,
     # none in CUDA's fused AdamW; Lion's interpolation); or Muon's step (they run in turn)
     copies = elementwise.step_copies["cuda" if device_type == "cuda" else "cpu"]

@@ -1,0 +1,45 @@
+"""`dtrain plan`'s per-rank model state against the live shards of a real world-4 run: the
+parameters, gradients and optimizer state each rank of the plan's meta model under a fake process
+group holds (trainer/plan/shards.py) are, byte for byte and rank by rank, what the trained ranks hold."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.dist_workers import train_and_inspect
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer.config.compose import compose
+from trainer.config.schema import to_dict
+from trainer.plan.memory import estimate
+from trainer.plan.shards import shard_plan
+
+WORLD = 4
+# One line per layout. tiny ties its embedding and splits its 50257 rows unevenly over 4 ranks;
+# llama_tiny has grouped KV heads, three MLP matrices and an untied head.
+LAYOUTS = [
+    ("fsdp", "tiny", ["parallel=fsdp"]),
+    ("hsdp", "llama_tiny", ["parallel=hsdp", "parallel.dp_replicate=2"]),
+    # ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),  # once wrap applies tensor parallelism
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "model", "overrides"), LAYOUTS, ids=[layout for layout, _, _ in LAYOUTS])
+def test_the_plan_counts_the_live_shards(layout, model, overrides, data_dir, tmp_path):
+    cfg = compose([f"model={model}", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
+                   "train.micro_batch_size=2", f"world={WORLD}", *overrides])
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=WORLD, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", run_id=f"test-{tmp_path.name}", max_restarts=0,
+                          start_method="spawn")
+    results = elastic_launch(launch, train_and_inspect)(to_dict(cfg), str(tmp_path), 1)
+    ranks = [results[r] for r in range(WORLD)]
+
+    plan = shard_plan(cfg, cfg.parallel.mode, WORLD)
+    assert not plan.tp_estimated
+    assert list(plan.params) == [r["param_bytes"] for r in ranks]
+    assert list(plan.grads) == [r["grad_bytes"] for r in ranks]
+    assert list(plan.optim_tensors) == [r["optimizer_bytes"] for r in ranks]  # AdamW's two moments per shard
+    # the table's figures are the busiest rank's
+    est = estimate(cfg, cfg.parallel.mode, WORLD, cfg.train.micro_batch_size)
+    assert est.params == max(r["param_bytes"] for r in ranks)
+    assert est.grads == max(r["grad_bytes"] for r in ranks)
