@@ -19,7 +19,7 @@ WORLD = 4
 LAYOUTS = [
     ("fsdp", "tiny", ["parallel=fsdp"]),
     ("hsdp", "llama_tiny", ["parallel=hsdp", "parallel.dp_replicate=2"]),
-    # ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),  # once wrap applies tensor parallelism
+    ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),
 ]
 
 

@@ -31,7 +31,7 @@ from trainer.parallel import STRATEGIES, make_strategy, strategy_class
 from trainer.preflight.rundir import write_config_record
 
 DCP = "torch.distributed.checkpoint"
-OTHER_MODES = [f"trainer.parallel.{name}" for name in ("ddp", "dp", "fsdp", "zero", "zero_torch")]
+OTHER_MODES = [f"trainer.parallel.{name}" for name in ("ddp", "dp", "fsdp", "hsdp", "zero", "zero_torch")]
 
 # Loaded by every process the test starts (PYTHONPATH): the first import of each watched module
 # appends {"module", "stack"} to $DTRAIN_TEST_IMPORTS; at exit, which of them the process holds.
@@ -114,7 +114,7 @@ def test_a_one_process_run_imports_dcp_only_to_save(data_dir, tmp_path):
 
 def test_strategies_are_found_one_mode_at_a_time():
     assert strategy_class("none").name == "none"
-    assert set(STRATEGIES) == {"none", "dp", "ddp", "fsdp", "zero", "zero_torch"}
+    assert set(STRATEGIES) == {"none", "dp", "ddp", "fsdp", "hsdp", "zero", "zero_torch"}
     assert all(STRATEGIES[name].name == name for name in STRATEGIES)
     assert STRATEGIES.get("base") is None and STRATEGIES.get("muon") is None and "nonexistent" not in STRATEGIES
     with pytest.raises(KeyError):
