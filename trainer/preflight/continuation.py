@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
 from trainer.checkpoint.records import Resumable, newest_resumable
-from trainer.config.batch import batch_plan
+from trainer.config.batch import batch_plan, rank_factor
 from trainer.config.keys import BATCH_KEYS
 from trainer.config.schema import to_dict
 from trainer.data.identity import data_changes, recorded_identity
@@ -89,19 +89,15 @@ def recorded_batch(chosen: Resumable, record: dict | None) -> tuple[int, str] | 
         if not all(map(_is_count, [*parts, dp_world, world])):
             return state["total_batch_size"], ""
         micro, seq, accum = parts
-        return state["total_batch_size"], f" = {micro} x {seq} x {_ranks(dp_world, world)} x {accum} accumulation"
+        return state["total_batch_size"], f" = {micro} x {seq} x {rank_factor(dp_world, world)} x {accum} accumulation"
     for source in (chosen.config, record):
         train = (source or {}).get("train")
         if isinstance(train, dict) and _is_count(dp_world):
             total = _total_batch(train, dp_world)
             if total is not None:
-                return total, f" (from its config at {_ranks(dp_world, world)})"
+                return total, f" (from its config at {rank_factor(dp_world, world)})"
     return None
 
-
-def _ranks(dp_world: int, world) -> str:
-    """The batch's rank factor as users count it: 'world 2', or '2 data-parallel ranks (world 4)'."""
-    return f"world {world}" if dp_world == world else f"{dp_world} data-parallel ranks (world {world})"
 
 
 def _total_batch(train: dict, dp_world: int) -> int | None:
@@ -133,7 +129,7 @@ def _check_global_batch(cfg, world: int, run_dir: Path, chosen: Resumable, recor
     raise ConfigError(
         f"the run in {run_dir} trained with a global batch of {total:,} tokens{made_of} "
         f"({_named(chosen)}), this command's is {plan.total_batch_size:,} = {plan.micro_batch_size} x {plan.seq_len} "
-        f"x {_ranks(plan.dp_world, world)} x {plan.grad_accum_steps} accumulation; add "
+        f"x {rank_factor(plan.dp_world, world)} x {plan.grad_accum_steps} accumulation; add "
         f"train.total_batch_size={total} to continue it on the same terms (accumulation is derived again), "
         f"resume={run_dir} to continue with the new batch on purpose, or choose another hydra.run.dir="
     )
