@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import dtrain_env, run_dtrain, tiny_args
+from helpers.dtrain import REPO, dtrain_env, run_dtrain, tiny_args
 from helpers.errors import error_line
 
 from trainer.config.compose import compose
@@ -56,6 +58,55 @@ def test_refused_run_writes_nothing(case, data_dir, tmp_path):
     assert "dtrain prepare" not in line  # a file in the way is not a dataset to prepare
     assert not run.exists()
     assert not (data_dir / "hellaswag").exists()  # nor an empty download folder in the data cache
+
+
+# Issue 47: device-mesh sizes no run can lay out -> (overrides, a phrase the line must hold). tiny has 2 heads.
+BAD_MESHES = {
+    "product does not divide world": (["parallel=hsdp", "parallel.dp_replicate=3", "world=4"],
+                                      "does not divide world=4"),
+    "tp does not divide the heads": (["parallel=fsdp", "parallel.tp=3", "world=3"],
+                                     "parallel.tp=3 does not divide model.n_head=2"),
+    "tp with ddp": (["parallel=ddp", "parallel.tp=2", "world=2"], "parallel=fsdp parallel.tp=2"),
+    "dp_replicate with fsdp": (["parallel=fsdp", "parallel.dp_replicate=2", "world=4"],
+                               "use parallel=hsdp parallel.dp_replicate=2"),
+}
+# What `dtrain plan` refuses of them (the mode-and-mesh pairs are the plan's to check: issue 47 item 5)
+PLAN_REFUSES = ["product does not divide world", "tp does not divide the heads"]
+
+
+@pytest.mark.parametrize("case", list(BAD_MESHES))
+def test_a_bad_mesh_is_one_line_and_writes_nothing(case, data_dir, tmp_path):
+    overrides, needle = BAD_MESHES[case]
+    run = tmp_path / "run"
+    assert needle in error_line(run_dtrain(train_args(data_dir, f"hydra.run.dir={run}", *overrides)))
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("case", PLAN_REFUSES)
+def test_plan_refuses_a_bad_mesh_the_same_way(case, tmp_path):
+    overrides, needle = BAD_MESHES[case]
+    assert needle in error_line(run_dtrain(["plan", "model=tiny", *overrides], cwd=tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["product does not divide world", "tp with ddp"])
+def test_plain_torchrun_refuses_a_bad_mesh_in_one_line(case, data_dir, tmp_path):
+    """Under torchrun every rank checks before anything is written and exits 2 with the same line (the
+    traceback torchrun prints is its own agent's ChildFailedError, not a worker's)."""
+    overrides, needle = BAD_MESHES[case]
+    run = tmp_path / "run"
+    world = next(int(o.removeprefix("world=")) for o in overrides if o.startswith("world="))
+    args = train_args(data_dir, f"hydra.run.dir={run}", *(o for o in overrides if not o.startswith("world=")))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                "-m", "trainer", *args]
+    proc = subprocess.run(torchrun, cwd=REPO, capture_output=True, text=True, timeout=300, env=dtrain_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in out and "exitcode  : 1" not in out, out
+    assert f'File "{REPO / "trainer"}' not in out, out  # no worker's traceback
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert 1 <= len(errors) <= world and len(set(errors)) == 1 and needle in errors[0], proc.stderr
+    assert not run.exists()
 
 
 def test_a_sweep_with_a_missing_hellaswag_file_writes_nothing(data_dir, tmp_path):

@@ -24,7 +24,7 @@ MUON_BATCH = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", "ch
 class Mode(NamedTuple):
     """How the tests run one parallel mode."""
 
-    launch: tuple[str, ...]  # the mode and its world: every distributed mode at world 2
+    launch: tuple[str, ...]  # the mode and its world: every distributed mode at world 2, hsdp's mesh at 4
     # the micro batch on the 256-token reference steps: micro batch x 32 tokens x world x accumulation = 256
     reference_micro_batch: int
     # what its checkpointed reference run (CKPT_ARGS) adds; None: the fault tests do not resume it
@@ -39,6 +39,8 @@ MODES = {
     # torch's ZeroRedundancyOptimizer: each rank saves the whole parameters it owns, by name
     "zero_torch": Mode(("parallel=zero_torch", "world=2"), 2, ()),
     "fsdp": Mode(("parallel=fsdp", "world=2"), 2, ()),
+    # FSDP2 on a 2 x 2 mesh (two replicas of two shards): world 4, accumulation 2
+    "hsdp": Mode(("parallel=hsdp", "parallel.dp_replicate=2", "world=4"), 1, None),
 }
 RESUMED_MODES = [name for name, mode in MODES.items() if mode.checkpointed is not None]
 

@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import loss_records, same_weights
+from helpers.checkpoints import crashed_copy, loss_records, same_weights, snapshot
 from helpers.dtrain import corpus_text, run_dtrain, tiny_args, train_losses
+from helpers.errors import one_line_error
 from helpers.evals import make_examples, write_jsonl
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import assert_matches_one_process
@@ -34,6 +35,8 @@ CASES = {
     "zero_torch_w2": ["parallel=zero_torch", "world=2", "train.micro_batch_size=2"],
     "fsdp_w2_checkpointed": ["parallel=fsdp", "world=2", "train.micro_batch_size=2",
                              "train.activation_checkpointing=true"],
+    # two replicas of two shards (world 4): its checkpoints are resumed under fsdp world 2 below
+    "hsdp_2x2": ["parallel=hsdp", "parallel.dp_replicate=2", "world=4", "train.micro_batch_size=2"],
 }
 _RUNS: dict[str, Path] = {}
 
@@ -95,6 +98,32 @@ def test_fsdp_checkpoint_resumes_in_one_process(data_dir, runs, tmp_path):
     want, got = train_losses(source), train_losses(run_dir)
     assert sorted(got) == list(range(INTERVAL + 1, STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
+
+
+@pytest.mark.slow
+def test_hsdp_run_continues_under_another_mesh_with_the_same_global_batch(data_dir, runs, tmp_path):
+    """The layout keys (world, parallel.mode, parallel.dp_replicate) may change in a continuation, the
+    global batch may not: an HSDP 2 x 2 run crashed past its step-4 checkpoint, continued by resume=auto
+    under fsdp world 2 (DCP reshards the 2-D DTensors onto a 1-D mesh), tracks the uninterrupted run."""
+    source = runs("hsdp_2x2")
+    run_dir = tmp_path / "run"
+    crashed_copy(source, run_dir, INTERVAL)
+    fsdp = ["parallel=fsdp", "world=2", "train.micro_batch_size=2"]  # 2 x 32 x world 2 x accumulation 2
+    before = snapshot(run_dir)
+    doubled = [a for a in llama_args(data_dir, run_dir, *fsdp) if a != "train.total_batch_size=256"]
+    line = one_line_error(run_dtrain([*doubled, "train.total_batch_size=512"]))
+    assert "global batch of 256 tokens = 2 x 32 x world 4 x 1 accumulation" in line, line
+    assert "train.total_batch_size=256" in line, line
+    assert snapshot(run_dir) == before, "a refused continuation wrote into the run directory"
+
+    proc = run_dtrain(llama_args(data_dir, run_dir, *fsdp))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the device mesh dp_replicate 2 x dp_shard 2 then, dp_shard 2 now" in proc.stderr, proc.stderr[-3000:]
+    want, got = train_losses(source), train_losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == want[s] for s in range(1, INTERVAL + 1))
+    worst = max(abs(got[s] - want[s]) for s in range(INTERVAL + 1, STEPS + 1))
+    assert worst < 1e-5, f"continued under fsdp world 2 from step {INTERVAL}: max |loss - uninterrupted| = {worst:.3g}"
 
 
 @pytest.mark.slow

@@ -48,6 +48,8 @@ CASES = {
     "zero_torch_w4": ["parallel=zero_torch", "world=4", "train.micro_batch_size=1"],
     "fsdp_w2": on_reference_steps("fsdp"),
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
+    # owners inside each replica's shard group (2 x 2 at world 4)
+    "hsdp_2x2": on_reference_steps("hsdp"),
 }
 
 
@@ -156,6 +158,7 @@ def test_sigterm_then_kill_9_then_the_same_command_is_bitwise(case, data_dir, ru
 @pytest.mark.parametrize("source, target", [
     ("fsdp_w2", ["parallel=none", "train.micro_batch_size=8"]),
     ("zero_w2", CASES["fsdp_w4"]),
+    ("hsdp_2x2", CASES["fsdp_w2"]),  # both replicas' owners saved the same momenta: stored once
 ])
 def test_resharded_resume_continues_the_trajectory(source, target, data_dir, runs, tmp_path):
     origin, _ = runs(source)

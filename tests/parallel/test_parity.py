@@ -26,8 +26,9 @@ CASES = {  # the quick tier (make test) runs one case per mode
     "zero_torch_w2": on_reference_steps("zero_torch"),
     "fsdp_w2": on_reference_steps("fsdp"),
     "fsdp_w4": ["parallel=fsdp", "world=4", "train.micro_batch_size=2"],
+    "hsdp_2x2_accum2": on_reference_steps("hsdp"),
 }
-SLOW = {"none_accum2", "ddp_w2_accum2", "ddp_w4", "ddp_w4_accum2", "fsdp_w4"}
+SLOW = {"none_accum2", "ddp_w2_accum2", "ddp_w4", "ddp_w4_accum2", "fsdp_w4", "hsdp_2x2_accum2"}
 
 
 def train(shared_run, overrides):

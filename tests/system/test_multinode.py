@@ -1,21 +1,32 @@
 """Two nodes through a c10d rendezvous: two network namespaces joined by a veth pair on this machine
 (10.77.0.1 and 10.77.0.2, the test's own hosts; nothing else is contacted), one `dtrain train
-launch.nnodes=2` per namespace, one worker each. The job must match a single-node world=2 run."""
+launch.nnodes=2` per namespace, one worker each. The job must match a single-node world=2 run.
+
+And HSDP's default layout, one replica per node: two agents on this machine's loopback (no root
+needed) under parallel=hsdp, whose dp_replicate defaults to launch.nnodes, track one process."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from helpers.checkpoints import loss_records
-from helpers.dtrain import REPO, dtrain_env, tiny_args
-from helpers.processes import is_loopback, listeners_of_tree
-from helpers.runs import CKPT_ARGS, CKPT_NAMES, checkpointed
+from helpers.dtrain import REPO, dtrain_env, tiny_args, train_losses
+from helpers.processes import finish, is_loopback, listeners_of_tree, start_dtrain, worker_pids
+from helpers.runs import (
+    CKPT_ARGS,
+    CKPT_NAMES,
+    REFERENCE_BATCH,
+    REFERENCE_STEPS,
+    assert_matches_one_process,
+    checkpointed,
+)
 
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
 PORT = 29500  # a fresh namespace has nothing listening
@@ -112,3 +123,46 @@ def test_two_nodes_match_one_node(two_hosts, data_dir, references, tmp_path):
     got, want = loss_records(head), loss_records(reference)
     assert [r[0] for r in got] == [r[0] for r in want]
     assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) <= 1e-6, (got, want)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_hsdp_on_two_agents_puts_one_replica_on_each_node(data_dir, adamw_reference, tmp_path):
+    """Two `dtrain train launch.nnodes=2` agents on one rendezvous endpoint, one worker each: HSDP's
+    mesh is dp_replicate 2 (the default, launch.nnodes) x dp_shard 1, so global ranks 0 and 1, the two
+    replicas, must be on different agents; the losses track one process on the same 256-token steps."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents, logs = [], []
+    try:
+        for index in range(2):
+            args = tiny_args(data_dir, tmp_path / f"node{index}", *REFERENCE_BATCH, "parallel=hsdp", "world=2",
+                             "train.micro_batch_size=2", "launch.nnodes=2", f"launch.rdzv_endpoint={endpoint}",
+                             "launch.rdzv_timeout=120", "launch.timeout_s=120")
+            logs.append(tmp_path / f"node{index}.log")
+            agents.append(start_dtrain(args, logs[-1]))
+        # each agent's worker processes, read while they run
+        workers: list[set[int]] = [set(), set()]
+        deadline = time.monotonic() + 300
+        while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
+            for seen, agent in zip(workers, agents):
+                seen.update(worker_pids(agent.pid))
+            time.sleep(0.2)
+        texts = [finish(agent, log) for agent, log in zip(agents, logs)]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert [agent.returncode for agent in agents] == [0, 0], "\n----\n".join(t[-3000:] for t in texts)
+    assert [len(seen) for seen in workers] == [1, 1], workers  # one worker per node
+    # Global rank 0 prints the start line with the mesh; rank 1 prints its pid: one on each agent.
+    head = [i for i, text in enumerate(texts) if "parallel=hsdp (dp_replicate 2) world=2" in text]
+    other = [i for i, text in enumerate(texts) if any(f"rank 1: pid {pid} on" in text for pid in workers[i])]
+    assert len(head) == 1 and len(other) == 1 and head != other, (head, other, workers, texts)
+    assert "rank 1:" not in texts[head[0]]
+    run_dir = tmp_path / f"node{head[0]}"
+    assert_matches_one_process(adamw_reference, train_losses(run_dir), REFERENCE_STEPS, "hsdp over two agents")

@@ -31,6 +31,9 @@ SUM_ORDER = {
     "threads_per_worker": "launch.threads_per_worker",
     "world": "world",
     "parallel": "parallel.mode",
+    # the device mesh (parallel.dp_replicate, tp, cp): another layout of the same world reduces
+    # gradients over other groups (and splits matrices otherwise)
+    "mesh": "the device mesh",
     "micro_batch_size": "train.micro_batch_size",
     "grad_accum_steps": "accumulation",
     "bucket_cap_mb": "parallel.bucket_cap_mb",
@@ -41,12 +44,13 @@ BATCH_SPLIT = ("micro_batch_size", "grad_accum_steps")  # compared only under th
 
 
 def ran_with(cfg, rt, plan, threads: int) -> dict:
-    """How this process runs, as each checkpoint records it: its world, mode and global batch with
-    what made it (which a continuation must keep: trainer/preflight/continuation.py) and the rest of
-    SUM_ORDER (`rt`: the runtime, `plan`: the batch plan, `threads`: torch's intra-op threads, which
-    only count on a CPU)."""
+    """How this process runs, as each checkpoint records it: its world, mode, mesh and global batch
+    with what made it (the data-parallel ranks count in the batch, not the world), which a
+    continuation must keep (trainer/preflight/continuation.py), and the rest of SUM_ORDER (`rt`: the
+    runtime, `plan`: the batch plan, `threads`: torch's intra-op threads, which only count on a CPU)."""
     device = rt.device.type
-    return {"world": rt.world, "parallel": cfg.parallel.mode, "total_batch_size": plan.total_batch_size,
+    return {"world": rt.world, "parallel": cfg.parallel.mode, "mesh": rt.shape.describe(), "dp_world": rt.dp_world,
+            "total_batch_size": plan.total_batch_size,
             "micro_batch_size": plan.micro_batch_size, "seq_len": plan.seq_len,
             "grad_accum_steps": plan.grad_accum_steps, "device": device,
             "threads_per_worker": threads if device == "cpu" else None, "bucket_cap_mb": cfg.parallel.bucket_cap_mb,
@@ -64,8 +68,15 @@ def sum_order_changes(saved: dict, now: dict) -> list[str]:
         skip.update(BATCH_SPLIT)
     if saved.get("world") == now.get("world") == 1:
         skip.add("bucket_cap_mb")
+    if all(_one_axis(mesh) for mesh in (saved.get("mesh"), now.get("mesh"))):
+        skip.add("mesh")  # every rank data-parallel in both: the world says it all
     return [f"{name} {saved[field]} then, {now.get(field)} now" for field, name in SUM_ORDER.items()
             if field not in skip and field in saved and saved[field] != now.get(field)]
+
+
+def _one_axis(mesh: str | None) -> bool:
+    """Whether a recorded mesh (MeshShape.describe) is plain data parallelism over the world."""
+    return mesh is None or mesh == "one rank" or (mesh.startswith("dp_shard ") and " x " not in mesh)
 
 
 def resume_notes(ckpt: Path, saved: dict, now: dict, identity: dict, data_cfg) -> list[str]:

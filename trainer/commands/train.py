@@ -44,11 +44,10 @@ from trainer.config.compose import (
 )
 from trainer.config.keys import apply_renamed_keys
 from trainer.config.schema import to_dict
-from trainer.config.validation import validate
 from trainer.errors import UserError
 from trainer.io import folder_setting, write_errors_as_user_errors
 from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir, plugin_hint, run_point
-from trainer.preflight.claim import check_sweep_point, claim_run
+from trainer.preflight.claim import check_sweep_point, check_torchrun_rank, claim_run
 from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
 from trainer.process.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
@@ -101,7 +100,7 @@ def _single_run(args: list[str], overrides: list[str], source) -> None:
             pin = pin_run_tokenizer(job_cfg, run_dir)
             if pin is not None:
                 Console(stderr=True).print(f"dtrain: {pin.note}", highlight=False, soft_wrap=True)
-        validate(job_cfg)
+        check_torchrun_rank(job_cfg)
         run_as_hydra_job(_with_hydra(job_cfg, cfg), source, partial(fit, run_dir=run_dir))
         return
     with RunDirLock(run_dir) as lock:  # held until the run ends: one run per directory

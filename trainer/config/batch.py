@@ -38,6 +38,12 @@ class BatchPlan:
         return self.dp_world * self.grad_accum_steps
 
 
+def rank_factor(dp_world: int, world) -> str:
+    """The global batch's rank factor as users count it: 'world 2' while every rank is data-parallel,
+    else '2 data-parallel ranks (world 4)'."""
+    return f"world {world}" if dp_world == world else f"{dp_world} data-parallel ranks (world {world})"
+
+
 def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
     """The run's mesh from parallel.dp_replicate and parallel.tp: dp_shard takes the rest of
     `world`, so their product must divide it. (The mesh's cp dimension stays 1: context

@@ -8,9 +8,18 @@ gradient all-reduce between groups per step. The memory per rank is FSDP's at wo
 from __future__ import annotations
 
 from trainer.parallel.fsdp import FSDPStrategy
+from trainer.parallel.muon_owners import OwnedMuon
 
 
 class HSDPStrategy(FSDPStrategy):
     name = "hsdp"
     replicates_shards = True
     data_parallel_dims = ("dp_replicate", "dp_shard")
+
+    def matrix_optimizer(self, run):
+        # A replica's ranks hold the row shards of its copy, and every replica's gradients are the same
+        # after HSDP's all-reduce: each replica runs the owners' exchange inside its own shard group
+        # (FSDP's over all ranks would mix two copies' rows) and computes the same update.
+        shards = self.device_mesh()["dp_shard"]
+        return OwnedMuon(run, rank=shards.get_local_rank(), world=shards.size(), sharded=True,
+                         group=shards.get_group())

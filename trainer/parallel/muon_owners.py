@@ -69,8 +69,10 @@ class OwnedMuon:
 
     masks_on_device = True
 
-    def __init__(self, run: MatrixRun, *, rank: int, world: int, sharded: bool):
-        self.rank, self.world, self.sharded = rank, world, sharded
+    def __init__(self, run: MatrixRun, *, rank: int, world: int, sharded: bool, group=None):
+        # `group`: the ranks that split the matrices (None: all; HSDP: one replica's shard group),
+        # `rank` and `world` counted within it
+        self.rank, self.world, self.sharded, self.process_group = rank, world, sharded, group
         self.names = [name for name, _ in run.named]
         self.params = [param for _, param in run.named]
         self.shapes = [tuple(param.shape) for param in self.params]
@@ -139,7 +141,7 @@ class OwnedMuon:
             send[offset: offset + n] = self.params[i].detach().reshape(-1)
             offset += n
         gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
-        dist.all_gather_into_tensor(gathered, send)
+        dist.all_gather_into_tensor(gathered, send, group=self.process_group)
         gathered = gathered.view(self.world, width)
         for r, idx in enumerate(owned):
             if r == self.rank:
@@ -161,7 +163,8 @@ class OwnedMuon:
         chunks = [t.reshape(-1) for d in range(self.world) for t in pieces[d]]
         send = torch.cat(chunks) if chunks else like.new_empty(0)
         recv = like.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                               group=self.process_group)
         out, offset = [], 0
         for s in range(self.world):
             for _, n in incoming[s]:

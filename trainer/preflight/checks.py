@@ -10,7 +10,7 @@ from rich.console import Console
 
 from trainer.checkpoint.layout import has_checkpoint
 from trainer.checkpoint.space import check_space_at_start
-from trainer.config.batch import batch_plan
+from trainer.config.batch import batch_plan, rank_factor
 from trainer.config.schema import to_dict, tracker_names
 from trainer.config.validation import validate
 from trainer.data.hints import prepare_command
@@ -98,14 +98,15 @@ def check_data(cfg, world: int, lock: RunDirLock | None = None, prepare_now: boo
     if train_tokens < train_need:
         raise DataError(
             f"dataset {cfg.data.name!r} has {train_tokens:,} training tokens but one optimizer step needs "
-            f"{train_need:,} (micro_batch_size x seq_len x world {world} x accumulation); lower the batch or world"
+            f"{train_need:,} (micro_batch_size x seq_len x {rank_factor(plan.dp_world, world)} x accumulation); "
+            "lower the batch or world"
         )
-    _check_largest_shard(cfg, "train", train, train_need, world,
+    _check_largest_shard(cfg, "train", train, train_need, rank_factor(plan.dp_world, world),
                          "lower the batch or world, or prepare with a larger data.shard_tokens")
     if cfg.data.val_fraction > 0:
         val = open_split(cfg.data, "val")
         if val_need:
-            _check_largest_shard(cfg, "val", val, val_need, world, "raise data.val_fraction and prepare again, "
+            _check_largest_shard(cfg, "val", val, val_need, "", "raise data.val_fraction and prepare again, "
                                  "set train.val_tokens=0 to train without validation, or lower train.seq_len")
 
 
@@ -113,12 +114,13 @@ def _validates(cfg) -> bool:
     return cfg.data.val_fraction > 0 and cfg.train.val_tokens > 0
 
 
-def _check_largest_shard(cfg, split: str, shards, need: int, world: int, fix: str) -> None:
+def _check_largest_shard(cfg, split: str, shards, need: int, ranks: str, fix: str) -> None:
+    """`ranks`: the step's rank factor (rank_factor), for the train split's message."""
     have = max((len(s) for s in shards), default=0)
     if have < need:
         t = cfg.train
         per, made_of = ("validation sequence", f"seq_len {t.seq_len}") if split == "val" else (
-            "optimizer step", f"micro_batch_size {t.micro_batch_size} x seq_len {t.seq_len} x world {world} "
+            "optimizer step", f"micro_batch_size {t.micro_batch_size} x seq_len {t.seq_len} x {ranks} "
                               "x accumulation")
         raise DataError(
             f"the {split} split of dataset {cfg.data.name!r} holds at most {have:,} tokens per shard but one {per} "

@@ -58,6 +58,15 @@ def check_sweep_point(cfg) -> None:
     _check_with_torch(cfg, world, None)
 
 
+def check_torchrun_rank(cfg) -> None:
+    """Plain torchrun: every rank's config and its layout (mode x mesh x world), checked before Hydra
+    makes rank 0's run directory (rank 0 claims the run later, in its worker, after the rest)."""
+    validate(cfg)
+    from trainer.preflight.torch_checks import check_layout  # torch: see _check_with_torch
+
+    check_layout(cfg, requested_world(cfg))
+
+
 def _check_with_torch(cfg, world: int, run_dir: Path | None) -> None:
     # torch is imported only here, once the checks that need none have passed: a user error
     # found by those arrives without waiting for torch

@@ -8,7 +8,9 @@ checked against the checkpoint that resume will load: the newest one that verifi
 selection.choose_own picks it (records.py), so a damaged newest checkpoint is never the reason a
 check is skipped. A changed trajectory key, global batch or data is one `error:` line naming the way
 to continue on the same terms, or `resume=PATH` to continue on new terms on purpose; another world
-size or mode that keeps the global batch continues (accumulation is derived again).
+size, mode or device mesh (parallel.dp_replicate, parallel.tp, parallel.cp: layout keys, like world)
+that keeps the global batch continues (accumulation is derived again; only the data-parallel ranks
+count in the batch).
 
 Torch-free: it runs before anything is written or imported.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE
 from trainer.checkpoint.records import Resumable, newest_resumable
-from trainer.config.batch import batch_plan
+from trainer.config.batch import batch_plan, rank_factor
 from trainer.config.keys import BATCH_KEYS
 from trainer.config.schema import to_dict
 from trainer.data.identity import data_changes, recorded_identity
@@ -76,30 +78,35 @@ def _named(chosen: Resumable) -> str:
 
 def recorded_batch(chosen: Resumable, record: dict | None) -> tuple[int, str] | None:
     """The global batch the run trained with and what it was made of, from the first source that has
-    it: the checkpoint's trainer state, the batch arithmetic of its config at the world it saved, that
-    of the run's resolved_config.json; None when none does."""
+    it: the checkpoint's trainer state, the batch arithmetic of its config at the data-parallel size
+    it saved, that of the run's resolved_config.json; None when none does."""
     state = chosen.state
-    parts = [state.get(k) for k in ("micro_batch_size", "seq_len", "world", "grad_accum_steps")]
-    if _is_count(state.get("total_batch_size")):
-        made_of = " = {} x {} x world {} x {} accumulation".format(*parts) if all(map(_is_count, parts)) else ""
-        return state["total_batch_size"], made_of
     world = state.get("world")
+    # A checkpoint from before the device mesh: every rank was data-parallel.
+    dp_world = state.get("dp_world", world)
+    parts = [state.get(k) for k in ("micro_batch_size", "seq_len", "grad_accum_steps")]
+    if _is_count(state.get("total_batch_size")):
+        if not all(map(_is_count, [*parts, dp_world, world])):
+            return state["total_batch_size"], ""
+        micro, seq, accum = parts
+        return state["total_batch_size"], f" = {micro} x {seq} x {rank_factor(dp_world, world)} x {accum} accumulation"
     for source in (chosen.config, record):
         train = (source or {}).get("train")
-        if isinstance(train, dict) and _is_count(world):
-            total = _total_batch(train, world)
+        if isinstance(train, dict) and _is_count(dp_world):
+            total = _total_batch(train, dp_world)
             if total is not None:
-                return total, f" (from its config at world {world})"
+                return total, f" (from its config at {rank_factor(dp_world, world)})"
     return None
 
 
-def _total_batch(train: dict, world: int) -> int | None:
+
+def _total_batch(train: dict, dp_world: int) -> int | None:
     total, micro, seq, accum = (train.get(k) for k in ("total_batch_size", "micro_batch_size", "seq_len",
                                                        "grad_accum_steps"))
     if _is_count(total):
         return total
     if _is_count(micro) and _is_count(seq) and (accum is None or _is_count(accum)):
-        return micro * seq * world * (accum or 1)
+        return micro * seq * dp_world * (accum or 1)
     return None
 
 
@@ -122,7 +129,7 @@ def _check_global_batch(cfg, world: int, run_dir: Path, chosen: Resumable, recor
     raise ConfigError(
         f"the run in {run_dir} trained with a global batch of {total:,} tokens{made_of} "
         f"({_named(chosen)}), this command's is {plan.total_batch_size:,} = {plan.micro_batch_size} x {plan.seq_len} "
-        f"x world {world} x {plan.grad_accum_steps} accumulation; add train.total_batch_size={total} to "
-        f"continue it on the same terms (accumulation is derived again), resume={run_dir} to continue with the "
-        "new batch on purpose, or choose another hydra.run.dir="
+        f"x {rank_factor(plan.dp_world, world)} x {plan.grad_accum_steps} accumulation; add "
+        f"train.total_batch_size={total} to continue it on the same terms (accumulation is derived again), "
+        f"resume={run_dir} to continue with the new batch on purpose, or choose another hydra.run.dir="
     )

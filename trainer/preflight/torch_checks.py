@@ -55,14 +55,21 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
 
 def check_mode(cfg, world: int) -> None:
     """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
+    strategy, shape = check_layout(cfg, world)
+    advice = strategy.world_advice(shape.dp_world)
+    if advice:
+        Console(stderr=True).print(f"[yellow]{advice}[/]")
+
+
+def check_layout(cfg, world: int):
+    """The mode can lay out this mesh over `world` workers; returns (its Strategy class, the mesh).
+    Silent, so plain torchrun's every rank runs it before Hydra writes anything (commands/train.py)."""
     strategy = strategy_class(cfg.parallel.mode)
     shape = mesh_shape(cfg, world)
     strategy.check_mesh(shape)
     # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
     strategy.check_world(shape.dp_world)
-    advice = strategy.world_advice(shape.dp_world)
-    if advice:
-        Console(stderr=True).print(f"[yellow]{advice}[/]")
+    return strategy, shape
 
 
 def check_model_fits(cfg, world: int, device: torch.device) -> None:
