@@ -124,6 +124,8 @@ def cmd_plan(argv: list[str]) -> None:
     validate(cfg)
     world = requested_world(cfg)
     chosen = cfg.parallel.mode
+    # The mode asked for must lay out its mesh (the table then shows the others that can or cannot).
+    STRATEGIES[chosen].check_mesh(mesh_shape(cfg, world))
     device_type = device or device_type_of(cfg)
     source = "--device-memory"
     if memory is None:

@@ -8,7 +8,7 @@ checked against the checkpoint that resume will load: the newest one that verifi
 selection.choose_own picks it (records.py), so a damaged newest checkpoint is never the reason a
 check is skipped. A changed trajectory key, global batch or data is one `error:` line naming the way
 to continue on the same terms, or `resume=PATH` to continue on new terms on purpose; another world
-size, mode or device mesh (parallel.dp_replicate, parallel.tp, parallel.cp: layout keys, like world)
+size, mode or device mesh (parallel.dp_replicate, parallel.tp: layout keys, like world)
 that keeps the global batch continues (accumulation is derived again; only the data-parallel ranks
 count in the batch).
 
