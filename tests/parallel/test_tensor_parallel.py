@@ -97,3 +97,23 @@ def test_kill_9_under_fsdp_x_tp_then_the_same_command_is_bitwise(data_dir, runs,
     assert killed_at in again.stderr, again.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)
     assert same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel=fsdp", "world=2", "train.micro_batch_size=4"],  # 4 x 32 x 2 data-parallel ranks x 1
+    ["parallel=none", "train.micro_batch_size=8"],  # 8 x 32 x 1 x 1
+], ids=["fsdp_w2", "none"])
+def test_an_fsdp_x_tp_checkpoint_continues_under_another_layout(data_dir, runs, tmp_path, layout):
+    """The FSDP x TP checkpoint (world 4, 2 data-parallel ranks) holds its fused rows in the model's
+    own [q | k | v] order, so another mesh reads it: resumed at step 8 with the same global batch,
+    the rest of the run tracks the uninterrupted FSDP x TP run within 1e-5."""
+    source = runs("gpt2", "fsdp_tp2")
+    step = 8  # the oldest checkpoint the run keeps (checkpoint.keep=3 of 4, 8, 12, 16)
+    ckpt = source / "checkpoints" / f"step_{step:06d}"
+    run_dir = tmp_path / "resharded"
+    run_dtrain(tiny_args(data_dir, run_dir, *REFERENCE_BATCH, *layout, f"resume={ckpt}"), check=True)
+    want, got = train_losses(source), train_losses(run_dir)
+    assert sorted(got) == list(range(step + 1, STEPS + 1))
+    worst = max(abs(got[s] - want[s]) for s in got)
+    assert worst < 1e-5, f"{layout}: max |loss - uninterrupted FSDP x TP| = {worst:.3g}"

@@ -313,7 +313,8 @@ def checkpoint_bytes(cfg) -> int:
     time to size."""
 
     def state(n_layer: int) -> int:
-        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}})
+        # Sized as one process holding it all: no mesh dimension splits it.
+        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}, "parallel": {"tp": 1, "dp_replicate": 1}})
         one_rank = estimate(sized, "none", 1, 1, "cpu")
         return one_rank.params + one_rank.optim
 
