@@ -3,7 +3,8 @@
 The same 256-token reference steps as test_parity: `parallel=none parallel.tp=2` (world 2, one
 data-parallel rank) and `parallel=fsdp parallel.tp=2` (world 4: FSDP over 2 data-parallel ranks,
 TP 2 inside each) track the one-process losses within 1e-5, for GPT-2 blocks (fused [q | k | v],
-biases, a tied head) and Llama blocks (GQA: 4 query and 2 KV heads, SwiGLU's fused [gate | up]).
+biases, a tied head) and Llama blocks (GQA: 4 query and 2 KV heads, SwiGLU's fused [gate | up]);
+Lion and Muon do too under FSDP x TP.
 The FSDP x TP run of GPT-2 blocks saves checkpoints: killed with -9 past one, the same command
 continues it bitwise.
 """
@@ -15,7 +16,7 @@ import torch
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process
+from helpers.runs import MUON_BATCH, ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
@@ -59,9 +60,10 @@ def test_group_rows_puts_each_ranks_rows_of_every_part_together():
     assert torch.equal(ungroup_rows(grouped, (8, 4, 4), tp=2), torch.cat([q, k, v]))
 
 
-def test_muon_with_tensor_parallel_is_one_line():
-    with pytest.raises(ConfigError, match=r"optim=muon .* parallel.tp=2"):
-        validate(compose(["optim=muon", "parallel=fsdp", "parallel.tp=2", "world=4"]))
+def test_muon_with_tensor_parallel_outside_fsdp_is_one_line():
+    with pytest.raises(ConfigError, match=r"optim=muon with parallel.tp=2 runs under parallel=fsdp or hsdp"):
+        validate(compose(["optim=muon", "parallel=none", "parallel.tp=2", "world=2"]))
+    validate(compose(["optim=muon", "parallel=fsdp", "parallel.tp=2", "world=4"]))
 
 
 # The quick tier (make test) runs GPT-2 blocks under 1-D TP only; each case is one launch of its own.
@@ -79,6 +81,16 @@ def test_losses_match_one_process(model, case, runs):
 def test_lion_under_fsdp_x_tp_matches_one_process(runs):
     reference = train_losses(runs("gpt2", "reference", "lion"))
     assert_matches_one_process(reference, train_losses(runs("gpt2", "fsdp_tp2", "lion")), STEPS, "lion fsdp_tp2")
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_x_tp_matches_one_process(shared_run):
+    """Each hidden matrix gathered whole over the 2 x 2 mesh, its [q | k | v] rows in the model's
+    order, orthogonalized on its owner, and the update cut back by the placements
+    (trainer/parallel/muon_owners.py); test_muon's one-process Muon run is the reference."""
+    reference = train_losses(shared_run(*MUON_BATCH, *ONE_PROCESS)[0])
+    got = train_losses(shared_run(*MUON_BATCH, *CASES["fsdp_tp2"])[0])
+    assert_matches_one_process(reference, got, STEPS, "muon fsdp_tp2")
 
 
 @pytest.mark.slow

@@ -36,10 +36,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainer.optim.build import MatrixRun
 from trainer.parallel.base import load_indexed_state, row_range
+from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
 
 
 def assign_owners(numels: list[int], world: int) -> list[int]:
@@ -79,6 +80,9 @@ class OwnedMuon:
         self.owners = assign_owners([param.numel() for param in self.params], world)
         self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
         self.weight_decay = run.kwargs.get("weight_decay", 0.0)
+        self.row_parts = [tuple(run.row_parts.get(param, ())) for param in self.params]
+        # Matrices split over a tp mesh dimension (and FSDP's rows with it): made whole by gathering
+        self.tp = max(_tp_degree(param) for param in self.params) if self.params else 1
         overrides = {}
         if sharded:
             # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
@@ -121,7 +125,9 @@ class OwnedMuon:
     @torch.no_grad()
     def step(self) -> None:
         found_inf = getattr(self, "found_inf", None)
-        if self.sharded:
+        if self.sharded and self.tp > 1:
+            self._step_gathered(found_inf)
+        elif self.sharded:
             self._step_sharded(found_inf)
         else:
             if self.inner:
@@ -132,25 +138,65 @@ class OwnedMuon:
     def _all_gather_owned(self) -> None:
         if self.world == 1:
             return
+        for i, whole in self._owned_everywhere({i: self.params[i].detach() for i in self.mine}).items():
+            if self.owners[i] != self.rank:
+                self.params[i].detach().copy_(whole)
+
+    def _owned_everywhere(self, mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{matrix: whole tensor} on every rank from each owner's `mine` (its matrices), in one
+        all-gather padded to the busiest owner's share."""
         owned = [[i for i, o in enumerate(self.owners) if o == r] for r in range(self.world)]
-        width = max(sum(self.params[i].numel() for i in idx) for idx in owned)
-        send = torch.zeros(width, dtype=self.params[0].dtype, device=self.params[0].device)
+        width = max(sum(math.prod(self.shapes[i]) for i in idx) for idx in owned)
+        like = self._local(0)
+        send = torch.zeros(width, dtype=like.dtype, device=like.device)
         offset = 0
         for i in owned[self.rank]:
-            n = self.params[i].numel()
-            send[offset: offset + n] = self.params[i].detach().reshape(-1)
+            n = math.prod(self.shapes[i])
+            send[offset: offset + n] = mine[i].reshape(-1)
             offset += n
         gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
         dist.all_gather_into_tensor(gathered, send, group=self.process_group)
         gathered = gathered.view(self.world, width)
+        out = {}
         for r, idx in enumerate(owned):
-            if r == self.rank:
-                continue
             offset = 0
             for i in idx:
-                n = self.params[i].numel()
-                self.params[i].detach().copy_(gathered[r, offset: offset + n].view(self.shapes[i]))
+                n = math.prod(self.shapes[i])
+                out[i] = gathered[r, offset: offset + n].view(self.shapes[i])
                 offset += n
+        return out
+
+    # --- tp (with or without fsdp): DTensors split over several mesh dimensions --------------------
+    def _canonical(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel matrix's rows in the model's own order ([q | k | v]), as Muon's parts read them."""
+        return ungroup_rows(whole, self.row_parts[i], self.tp) if len(self.row_parts[i]) > 1 else whole
+
+    def _grouped(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        return group_rows(whole, self.row_parts[i], self.tp) if len(self.row_parts[i]) > 1 else whole
+
+    def _step_gathered(self, found_inf: torch.Tensor | None) -> None:
+        """Each gradient gathered whole (one all-gather over its mesh), rows ungrouped to the canonical
+        order; the owner's Muon step on a zeroed copy leaves the update (as in _step_sharded); the
+        owners' updates reach every rank in one all-gather, and each rank adds its own piece (the
+        update regrouped and cut by the parameter's placements) after the decoupled decay."""
+        for i, param in enumerate(self.params):
+            whole = self._canonical(i, param.grad.full_tensor())  # every rank joins every gather
+            if self.owners[i] == self.rank:
+                work = self.work[self.mine.index(i)]
+                work.zero_()
+                work.grad = whole
+        if self.inner:
+            self.inner.step(found_inf=found_inf)
+        updates = self._owned_everywhere({i: work.detach() for work, i in zip(self.work, self.mine)})
+        decay = self.group["lr"] * self.weight_decay
+        decay = 1 - decay if found_inf is None else 1 - (1 - found_inf) * decay
+        for i, param in enumerate(self.params):
+            # src_data_rank=None: each rank cuts its own piece of the tensor it holds, no scatter
+            piece = distribute_tensor(self._grouped(i, updates[i]), param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            local = param.to_local()
+            local.mul_(decay)
+            local.add_(piece)
 
     # --- fsdp: row shards ----------------------------------------------------------------------
     def _exchange(self, pieces: dict[int, list[torch.Tensor]],
@@ -211,7 +257,7 @@ class OwnedMuon:
             local.mul_(decay)
             local.add_(update.view_as(local))
 
-    # --- checkpoint state: each owned matrix's momentum, whole, by name ------------------------
+    # --- checkpoint state: each owned matrix's momentum, whole (canonical rows), by name ------------------------
     def state_dict_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         state = self.state
         return {self.names[i]: dict(state[work]) for work, i in zip(self.work, self.mine) if state.get(work)}
@@ -225,3 +271,11 @@ class OwnedMuon:
             return
         load_indexed_state(self.inner, {j: state[self.names[i]] for j, i in enumerate(self.mine)
                                          if self.names[i] in state})
+
+
+def _tp_degree(param) -> int:
+    """The size of the tp dimension of a DTensor parameter's mesh (1: none)."""
+    if not isinstance(param, DTensor):
+        return 1
+    names = param.device_mesh.mesh_dim_names or ()
+    return param.device_mesh.size(names.index("tp")) if "tp" in names else 1
