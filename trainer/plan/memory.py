@@ -247,10 +247,10 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
 
     # --- activations of one micro batch ------------------------------------------------------
     L = m.n_layer
-    # Tensor parallelism with sequence parallelism splits every activation a block keeps, and the
-    # loss-parallel head its logits, over the tp ranks (Megatron-LM's accounting).
+    # Tensor parallelism splits what a block keeps of its heads and MLP width over the tp ranks; the
+    # residual stream, the norms' outputs and the (replicated) head's logits stay whole on each.
     tp = mesh_shape(cfg, world).tp if strategy.tensor_parallel else 1
-    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len) // tp
+    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len, tp)
     if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
         activations += 2 * n_total // tp  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
@@ -325,9 +325,11 @@ def checkpoint_bytes(cfg) -> int:
     return first + (depth - 1) * (second - first)
 
 
-def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int) -> int:
+def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int, tp: int = 1) -> int:
     """What forward keeps for backward at backward's start: the blocks and the loss over the
-    vocabulary (the module doc says how, per device)."""
+    vocabulary (the module doc says how, per device). Under tensor parallelism (`tp` > 1) each
+    rank keeps 1/tp of the per-head and per-hidden-unit tensors (q/k/v, attention's output, the
+    MLP's hidden ones) and all of the rest: no sequence parallelism, a replicated head."""
     C, L, V = shape.n_embd, shape.n_layer, shape.padded_vocab_size
     kv = shape.kv_heads * shape.head_dim
     if device_type == "cuda":
@@ -336,16 +338,16 @@ def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: i
             # SwiGLU: gate and up, and inductor keeps their product (c_proj's input) rather than
             # recompute it (llama_135m on an H100: 2.4 H bytes a token per block more than gate + up)
             fc_out = shape.hidden * (3 if shape.mlp == "swiglu" else 1)
-            per_token = 2 * residual * C + act * (C + 2 * kv + C + fc_out)
+            per_token = 2 * residual * C + act * (C + 2 * kv + C + fc_out) // tp
         else:
             rope = C + kv if shape.pos == "rope" else 0
-            per_token = 2 * residual * C + act * (2 * C + C + 2 * kv + 2 * C + rope
-                                                  + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden)
+            per_token = 2 * residual * C + act * 2 * C + act * (C + 2 * kv + 2 * C + rope
+                                                                 + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
         head_per_logit = CUDA_HEAD_COMPILED if t.compile else CUDA_HEAD_EAGER
     else:
         residual = act
         qkv = C + 2 * kv
-        per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden
+        per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + (qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
         per_token *= act
         head_per_logit = HEAD_ACT_PER_V * 4  # the loss is computed in fp32
     block = per_token * tokens

@@ -8,11 +8,13 @@ import resource
 
 import pytest
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainer.config.compose import compose
 from trainer.config.shape import parameter_count
-from trainer.parallel.fsdp import FSDPStrategy
+from trainer.model.gpt import build_model
+from trainer.plan.memory import estimate
 from trainer.plan.shards import shard_plan
 
 MiB = 1024**2
@@ -51,14 +53,17 @@ def test_lion_keeps_one_state_tensor_per_shard_and_muon_its_owners_matrices():
     assert muon.muon > 0 and sum(muon.optim_tensors) < sum(adamw.optim_tensors)  # hidden matrices leave AdamW
 
 
-def test_tensor_parallel_ranks_split_the_matrices(monkeypatch):
-    # Whether wrap splits layers itself or the split is estimated, 8 ranks of dp 4 x tp 2 hold what
-    # 8 data-parallel ranks do, give or take the norms (whole on each tp rank) and rounding; a tp
-    # group holding whole matrices would hold twice that.
-    monkeypatch.setattr(FSDPStrategy, "tensor_parallel", True)
-    _, tp = plan("model=llama_tiny", "parallel.tp=2", world=8)
-    _, dp = plan("model=llama_tiny", world=8)
-    assert abs(max(tp.params) / max(dp.params) - 1) < 0.02
+def test_tensor_parallel_ranks_split_the_matrices():
+    """Under FSDP 4 x TP 2 a block's matrices are split over all 8 ranks, while the embedding, the
+    head and the norms are whole on each tp rank (a replicated head), split over the 4 FSDP ranks
+    only: each rank holds 1/8 of the one and 1/4 of the other (up to FSDP's row rounding)."""
+    cfg, tp = plan("model=llama_tiny", "parallel.tp=2", world=8)
+    assert not tp.tp_estimated  # wrap itself split the layers
+    model = build_model(cfg.model)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if ".h." in name and p.dim() == 2)
+    rest = sum(p.numel() for p in model.parameters()) - matrices
+    expected = 4 * (matrices / 8 + rest / 4)
+    assert abs(max(tp.params) / expected - 1) < 0.01, (max(tp.params), expected)
 
 
 def test_a_process_with_its_own_process_group_is_refused():
@@ -69,3 +74,18 @@ def test_a_process_with_its_own_process_group_is_refused():
             shard_plan(cfg, "fsdp", 2)
     finally:
         dist.destroy_process_group()
+
+
+def test_tensor_parallel_splits_the_heads_activations_not_the_residual_stream_or_the_head():
+    """dtrain's TP has no sequence parallelism and a replicated head: what a block keeps per head and
+    per hidden unit is split over tp, the residual stream and the logits are not. With activation
+    checkpointing the blocks keep only their (whole) inputs, so tp=8 saves far less than 8x."""
+    cfg = compose(["model=llama3_70b", "parallel=fsdp", "world=64", "train.activation_checkpointing=true",
+                   "train.micro_batch_size=1", "train.seq_len=8192", "train.device=cuda", "train.dtype=bfloat16"])
+    whole = estimate(cfg, "fsdp", 64, 1, "cuda").activations
+    split = estimate(OmegaConf.merge(cfg, {"parallel": {"tp": 8}}), "fsdp", 64, 1, "cuda").activations
+    m = cfg.model
+    block_inputs = m.n_layer * m.n_embd * 4 * 8192  # fp32 residual stream, one per block
+    logits = m.vocab_size * 8192  # at least a byte per logit of the replicated head
+    assert split >= block_inputs + logits
+    assert whole / 8 < split < whole
