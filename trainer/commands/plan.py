@@ -102,10 +102,8 @@ def _shard_note(cfg, strategy: type[Strategy], world: int) -> str:
     spread = (f"ranks differ: rank {busiest} holds the most ({fmt_bytes(totals[busiest])} of params + grads + "
               f"optimizer, {totals[busiest] - totals[least]:,} bytes more than rank {least})" if shards.ranks_differ
               else "every rank holds the same")
-    tp = (f"; parallel.tp={mesh_shape(cfg, world).tp} is estimated (this build's wrap does not split layers "
-          "yet: each matrix's shard divided by tp, norms whole)" if shards.tp_estimated else "")
     return (f"{strategy.name}: params, grads and optimizer read from the DTensor shards of its own wrap "
-            f"({mesh_shape(cfg, world).describe()}, a meta model under a fake process group); {spread}{tp}")
+            f"({mesh_shape(cfg, world).describe()}, a meta model under a fake process group); {spread}")
 
 
 def _full_context_verdict(cfg, mode: str, world: int, memory: int, device_type: str) -> str:

@@ -10,10 +10,7 @@ shards of the same layout; the optimizer state is the optimizer's state tensors 
 two, Lion one: trainer/optim/registry.py) and a 0-d step counter per tensor where it keeps one,
 and Muon's whole matrices on their owner ranks as the mode's `muon_numels` says.
 
-Whatever wrap applies (a tensor-parallel plan included) is what is counted. Where the mesh has
-parallel.tp > 1 but wrap left every parameter whole across the tp ranks, this build cannot split
-layers yet: the tp split is then estimated (every matrix's shard divided by tp, the norms whole) and
-ShardPlan.tp_estimated says so.
+Whatever wrap applies (the tensor-parallel split of parallel.tp > 1 included) is what is counted.
 """
 
 from __future__ import annotations
@@ -53,7 +50,6 @@ class ShardPlan:
     optim_scalars: tuple[int, ...]  # its 0-d step counters (one per parameter)
     muon: int  # Muon's state on its busiest owner rank (0 without optim=muon)
     largest: int  # elements of the largest local shard (the optimizer step's temporaries)
-    tp_estimated: bool  # parallel.tp > 1 but wrap did not split layers: the tp split estimated
 
     @property
     def optim(self) -> tuple[int, ...]:
@@ -120,14 +116,6 @@ def _rank_numels(param: torch.Tensor, root, cache: dict) -> tuple[int, ...]:
     return cache[key]
 
 
-def _splits_tp(param: torch.Tensor) -> bool:
-    """Whether the parameter is split over a mesh dimension named tp."""
-    if not isinstance(param, DTensor) or not param.device_mesh.mesh_dim_names:
-        return False
-    names = param.device_mesh.mesh_dim_names
-    return any(name == "tp" and placement.is_shard() for name, placement in zip(names, param.placements))
-
-
 def shard_plan(cfg, mode: str, world: int) -> ShardPlan:
     """The model state per rank of `cfg`'s model wrapped by `mode` at `world` ranks (the mesh from
     parallel.dp_replicate / cp / tp). Cached: `dtrain plan` asks for it at every micro batch."""
@@ -158,15 +146,12 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
         root = strategy.device_mesh()
         matrices, rest = split_params(raw, optim_cfg)
         cache: dict = {}
-        tp_estimated = shape.tp > 1 and not any(_splits_tp(p) for p in raw.parameters())
 
         def numels(param) -> tuple[int, ...]:
             held = _rank_numels(param, root, cache)
             if isinstance(param, DTensor) and held[0] != param.to_local().numel():  # this process is rank 0
                 raise RuntimeError(f"rank 0's shard of a {tuple(param.shape)} parameter holds "
                                    f"{param.to_local().numel()} elements, the placements say {held[0]}")
-            if tp_estimated and param.dim() >= 2:
-                held = tuple(math.ceil(n / shape.tp) for n in held)
             return held
 
         params = [numels(p) for _, p in (*matrices, *rest)]
@@ -182,5 +167,4 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
     per_rank = tuple(sum(p[r] for p in params) * FP32 for r in range(world))
     scalars = (4 * len(elementwise.state.scalars) * len(rest),) * world
     return ShardPlan(params=per_rank, grads=per_rank, optim_tensors=tuple(optim_tensors),
-                     optim_scalars=scalars, muon=muon, largest=max(max(p) for p in params),
-                     tp_estimated=tp_estimated)
+                     optim_scalars=scalars, muon=muon, largest=max(max(p) for p in params))
