@@ -10,6 +10,8 @@ import sys
 import pytest
 from helpers.dtrain import REPO, dtrain_env
 
+from trainer.parallel import STRATEGIES
+
 
 def bench_gpu(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**dtrain_env(), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
@@ -43,7 +45,7 @@ def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
     assert measured and all(r["figures"]["dtrain"]["tokens_per_s"] > 0 and r["figures"]["bare"]["ms"] > 0
                             for r in measured)
     modes = [r for r in rows if r["section"] == "modes"]
-    assert len(modes) == 6 and all(r["ratio"] == "ok" or "skipped" in r["dtrain"] for r in modes), modes
+    assert len(modes) == len(STRATEGIES) and all(r["ratio"] == "ok" or "skipped" in r["dtrain"] for r in modes), modes
     assert "dtrain on cpu, torch" in proc.stdout
 
 
