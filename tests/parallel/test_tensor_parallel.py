@@ -20,9 +20,9 @@ from helpers.runs import MUON_BATCH, ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STE
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
-from trainer.config.validation import validate
 from trainer.errors import ConfigError
 from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
+from trainer.preflight.torch_checks import check_layout
 
 STEPS = REFERENCE_STEPS
 CHECKPOINTED = "checkpoint.interval=4"  # the tensor-parallel runs save: the kill -9 test's reference
@@ -64,8 +64,9 @@ def test_group_rows_puts_each_ranks_rows_of_every_part_together():
 
 def test_muon_with_tensor_parallel_outside_fsdp_is_one_line():
     with pytest.raises(ConfigError, match=r"optim=muon with parallel.tp=2 runs under parallel=fsdp or hsdp"):
-        validate(compose(["optim=muon", "parallel=none", "parallel.tp=2", "world=2"]))
-    validate(compose(["optim=muon", "parallel=fsdp", "parallel.tp=2", "world=4"]))
+        check_layout(compose(["optim=muon", "parallel=none", "parallel.tp=2", "world=2"]), 2)
+    check_layout(compose(["optim=muon", "parallel=fsdp", "parallel.tp=2", "world=4"]), 4)
+    check_layout(compose(["optim=muon", "parallel=hsdp", "parallel.tp=2", "world=4"]), 4)
 
 
 # The quick tier (make test) runs GPT-2 blocks under 1-D TP only; each case is one launch of its own.

@@ -248,11 +248,6 @@ def validate(cfg: DictConfig) -> None:
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
     check_block(m)
     check_tensor_parallel(m, p.tp)
-    if p.tp > 1 and cfg.optim.name == "muon" and p.mode == "none":
-        # Muon's owner ranks gather tensor-parallel shards under FSDP's optimizer
-        # (trainer/parallel/muon_owners.py); parallel=none steps every matrix in place.
-        raise ConfigError(f"optim=muon with parallel.tp={p.tp} runs under parallel=fsdp or hsdp (its matrices are "
-                          "made whole on an owner rank), not parallel=none; use parallel=fsdp, or optim=adamw")
     check_model_size(m)
     check_dataset_name(cfg.data)
     if m.init_from == INIT_FROM_REQUIRED:

@@ -21,6 +21,7 @@ class FSDPStrategy(Strategy):
     shards_parameters = True
     shards_optimizer_state = True
     tensor_parallel = True
+    gathers_matrix_shards = True
 
     @classmethod
     def optimizer_state_numels(cls, groups, world):
