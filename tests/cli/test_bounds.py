@@ -18,9 +18,10 @@ from omegaconf import OmegaConf
 from trainer.cli import main
 from trainer.commands.plan import cmd_plan
 from trainer.config.compose import compose
+from trainer.config.model_checks import MAX_PARAMETERS
 from trainer.config.schema import MAX_SAMPLE_TOKENS, MAX_SEED, OPTIMIZERS
 from trainer.config.shape import parameter_count
-from trainer.config.validation import MAX_PARAMETERS, NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
+from trainer.config.validation import NULL_MEANS, UPPER_BOUNDS, _schema_default, check_ranges, validate
 from trainer.data.layout import dataset_dir
 from trainer.errors import ConfigError, UserError
 from trainer.model.gpt import build_model

@@ -1,0 +1,62 @@
+"""The model group's own checks (torch-free): its block options fit together, parallel.tp divides
+its heads and widths, and the parameter count is one a machine could hold."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from trainer.config.schema import MLPS, NORMS, POSITIONS
+from trainer.config.shape import mlp_width, parameter_count
+from trainer.errors import ConfigError
+
+# Parameters a model shape may have (each needs 16 bytes of weights, gradients and AdamW state to
+# train): 10**15 is 16 PB, beyond any machine, and keeps every tensor's size within torch's int64
+# (model.n_embd=10**10 would overflow it in `dtrain plan`'s shapes-only model).
+MAX_PARAMETERS = 10**15
+
+
+def check_block(m: DictConfig) -> None:
+    """The block options name known choices and fit together (model.*)."""
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+        if m[key] not in choices:
+            raise ConfigError(f"model.{key}={m[key]!r} is unknown; choose one of {', '.join(choices)}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    if m.n_kv_head is not None and m.n_head % m.n_kv_head:
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head serves "
+            f"a whole group of query heads); e.g. model.n_kv_head={m.n_head} (or null: n_head)"
+        )
+    head_dim = m.n_embd // m.n_head
+    if m.pos == "rope" and head_dim % 2:
+        raise ConfigError(
+            f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
+            "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
+        )
+
+
+def check_tensor_parallel(m: DictConfig, tp: int) -> None:
+    """parallel.tp splits whole heads and whole rows of every matrix: it must divide the counts."""
+    if tp == 1:
+        return
+    kv_heads = m.n_head if m.n_kv_head is None else m.n_kv_head
+    counts = {"model.n_head": m.n_head, "model.n_kv_head": kv_heads, "model.n_embd": m.n_embd,
+              "the MLP width": mlp_width(m.n_embd, m.mlp, m.mlp_hidden, m.mlp_multiple_of)}
+    for what, count in counts.items():
+        if count % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide {what}={count}: each tensor-parallel rank takes whole heads "
+                f"and an equal part of each matrix; choose parallel.tp among the divisors of {count}"
+            )
+
+
+def check_model_size(m: DictConfig) -> None:
+    """The shape's parameter count is one a machine could hold (whether this machine can is
+    trainer/preflight/torch_checks.py's check, with torch, since `dtrain plan` answers for any machine)."""
+    count = parameter_count(m)
+    if count > MAX_PARAMETERS:
+        raise ConfigError(
+            f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd}: the model has {count:.3g} parameters, more than "
+            f"{MAX_PARAMETERS:.0e} (each needs 16 bytes of weights, gradients and AdamW state: petabytes beyond any "
+            "machine); choose a smaller model.n_embd, model.n_layer or model.mlp_hidden"
+        )
