@@ -69,6 +69,9 @@ BAD_MESHES = {
     "tp with ddp": (["parallel=ddp", "parallel.tp=2", "world=2"], "parallel=fsdp parallel.tp=2"),
     "dp_replicate with fsdp": (["parallel=fsdp", "parallel.dp_replicate=2", "world=4"],
                                "use parallel=hsdp parallel.dp_replicate=2"),
+    "cp with ddp": (["parallel=ddp", "parallel.cp=2", "world=2"], "use parallel=fsdp parallel.cp=2"),
+    "cp does not cut seq_len into 2 x cp chunks": (["parallel=fsdp", "parallel.cp=3", "world=3", "train.seq_len=64"],
+                                                   "choose a train.seq_len divisible by 6"),
 }
 # `dtrain plan` refuses them all: the mode asked for must lay out its mesh
 PLAN_REFUSES = list(BAD_MESHES)

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.dtrain import run_dtrain
 from trainer.checkpoint.finite import nonfinite_tensors
-from trainer.checkpoint.layout import list_checkpoints
+from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config.batch import batch_plan
 from trainer.config.compose import compose
@@ -163,3 +164,26 @@ def loaded_model(spec: str | Path, *overrides: str, model: str = "tiny"):
     model = strategy.wrap(build_model(cfg.model))
     start_from_weights(SimpleNamespace(rt=rt, strategy=strategy, model=model, cfg=cfg), cfg.model.init_from, None)
     return model.eval()
+
+
+def assert_continues_bitwise(args: list[str], run_dir: Path, reference: Path) -> None:
+    """The same command `args` after its run was killed: it names the newest checkpoint it resumes
+    from and ends with the uninterrupted `reference` run's losses, grad norms and weights."""
+    killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
+    again = run_dtrain(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert killed_at in again.stderr, again.stderr[-3000:]
+    assert loss_records(run_dir) == loss_records(reference)
+    assert same_weights(run_dir, reference)
+
+
+def assert_continues_within(source: Path, step: int, args: list[str], run_dir: Path, tolerance: float = 1e-5) -> None:
+    """`args` (another layout, the same global batch) resumed from `source`'s step-`step` checkpoint
+    into `run_dir`: the rest of the run tracks `source`'s uninterrupted losses within `tolerance`."""
+    ckpt = source / "checkpoints" / f"step_{step:06d}"
+    run_dtrain([*args, f"resume={ckpt}"], check=True)
+    want = {s: loss for s, loss, _ in loss_records(source)}
+    got = {s: loss for s, loss, _ in loss_records(run_dir)}
+    assert sorted(got) == [s for s in sorted(want) if s > step]
+    worst = max(abs(got[s] - want[s]) for s in got)
+    assert worst < tolerance, f"max |loss - uninterrupted {source.name}| = {worst:.3g}"

@@ -6,12 +6,16 @@ import hashlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config.batch import mesh_shape, requested_world
 from trainer.config.schema import from_dict
 from trainer.fit.run import Run
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.parallel import strategy_class
+from trainer.parallel.context_parallel import SequenceSplit
 from trainer.process.runtime import init_runtime
 
 
@@ -65,3 +69,40 @@ def val_figures_on_weights(cfg_dicts: list[dict], run_dir: str, weights: str) ->
         return figures
     finally:
         rt.shutdown()
+
+
+def sequence_split_differences(blocks: dict, activation_checkpointing: bool, loss_chunks: int) -> dict:
+    """One fp64 forward and backward of a tiny GPT of `blocks` (GPTConfig fields) over whole
+    sequences, then over this rank's share of them (trainer/parallel/context_parallel.py) with the
+    gradients averaged over the group: the largest differences in the loss, the gradients and the
+    per-token losses validation reads."""
+    dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**blocks)).double()
+        model.activation_checkpointing, model.loss_chunks = activation_checkpointing, loss_chunks
+        x = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
+        y = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
+        whole = model(x, y)[1]
+        whole.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            want_tokens = model(x, y, per_token=True)[1]
+        model.zero_grad()
+        model.sequence_split = SequenceSplit(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+        local = model(x, y)[1]
+        local.backward()
+        loss = local.detach().clone()
+        dist.all_reduce(loss)
+        grads = 0.0
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad)
+            grads = max(grads, (grad / dist.get_world_size() - want[name]).abs().max().item())
+        with torch.no_grad():
+            tokens = model(x, y, per_token=True)[1]
+        return {"loss": abs(loss.item() / dist.get_world_size() - whole.item()), "grads": grads,
+                "per_token": (tokens - want_tokens).abs().max().item()}
+    finally:
+        dist.destroy_process_group()

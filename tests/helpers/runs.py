@@ -18,6 +18,12 @@ REFERENCE_BATCH = ["train.total_batch_size=256", "train.seq_len=32", f"train.max
 ONE_PROCESS = ["parallel=none", "train.micro_batch_size=2"]  # the reference: accumulation 4
 # Muon's runs of the same batches (test_muon, test_compat): decay on, so fsdp's per-shard decay is
 # checked too, and a checkpoint every 4 steps, so a parity run is also a resume test's reference.
+# Layouts without model parallelism reading REFERENCE_BATCH's 256 tokens per step (x 32 tokens x
+# data-parallel ranks x accumulation 1): what a model-parallel checkpoint is resumed under.
+PLAIN_LAYOUTS = {
+    "fsdp_w2": ["parallel=fsdp", "world=2", "train.micro_batch_size=4"],
+    "none": ["parallel=none", "train.micro_batch_size=8"],
+}
 MUON_BATCH = ["optim=muon", *REFERENCE_BATCH, "optim.muon.weight_decay=0.1", "checkpoint.interval=4"]
 
 

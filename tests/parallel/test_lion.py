@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from helpers.checkpoints import loss_records, one_process_optimizer, same_weights
+from helpers.checkpoints import assert_continues_bitwise, one_process_optimizer
 from helpers.dist_workers import train_and_inspect
 from helpers.dtrain import REPO, run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
@@ -22,7 +22,6 @@ from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_m
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scripts.benchmarks.memory import optimizer_state_tensors, tensor_bytes
-from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
 from trainer.config.validation import validate
@@ -171,13 +170,7 @@ def test_kill_9_under_fsdp_then_the_same_command_is_bitwise(data_dir, runs, tmp_
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     args = tiny_args(data_dir, run_dir, *LION_BATCH, *CASES["fsdp"])
     assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
-    killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
-
-    again = run_dtrain(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert killed_at in again.stderr, again.stderr[-3000:]
-    assert loss_records(run_dir) == loss_records(reference)
-    assert same_weights(run_dir, reference)
+    assert_continues_bitwise(args, run_dir, reference)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.checkpoints import loss_records, one_process_optimizer, same_weights
+from helpers.checkpoints import assert_continues_bitwise, one_process_optimizer
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.processes import (
     STOP_LINE,
@@ -30,7 +30,6 @@ from helpers.processes import (
 )
 from helpers.runs import MUON_BATCH, ONE_PROCESS, REFERENCE_STEPS, assert_matches_one_process, on_reference_steps
 
-from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
 from trainer.model.gpt import build_model
 from trainer.optim.build import parts, split_params
@@ -145,13 +144,7 @@ def test_sigterm_then_kill_9_then_the_same_command_is_bitwise(case, data_dir, ru
     kill_group(proc)
     assert f"(step {stopped})" in second.read_text(), second.read_text()[-3000:]
     assert max(logged_steps(run_dir)) < STEPS
-    killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
-
-    again = run_dtrain(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert killed_at in again.stderr, again.stderr[-3000:]
-    assert loss_records(run_dir) == loss_records(reference)
-    assert same_weights(run_dir, reference)
+    assert_continues_bitwise(args, run_dir, reference)
 
 
 @pytest.mark.slow

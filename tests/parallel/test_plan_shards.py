@@ -20,6 +20,8 @@ LAYOUTS = [
     ("fsdp", "tiny", ["parallel=fsdp"]),
     ("hsdp", "llama_tiny", ["parallel=hsdp", "parallel.dp_replicate=2"]),
     ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),
+    # FSDP shards over dp_shard x cp flattened into one dimension, beside TP
+    ("fsdp_cp_tp", "llama_tiny", ["parallel=fsdp", "parallel.cp=2", "parallel.tp=2"]),
 ]
 
 

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import loss_records, same_weights
-from helpers.dtrain import run_dtrain, tiny_args, train_losses
+from helpers.checkpoints import assert_continues_bitwise, assert_continues_within
+from helpers.dtrain import tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import MUON_BATCH, ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process
+from helpers.runs import (
+    MUON_BATCH,
+    ONE_PROCESS,
+    PLAIN_LAYOUTS,
+    REFERENCE_BATCH,
+    REFERENCE_STEPS,
+    assert_matches_one_process,
+)
 
-from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.config.compose import compose
 from trainer.errors import ConfigError
 from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
@@ -105,30 +111,16 @@ def test_kill_9_under_fsdp_x_tp_then_the_same_command_is_bitwise(data_dir, runs,
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     args = tiny_args(data_dir, run_dir, *_args("gpt2", "fsdp_tp2"))
     assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
-    killed_at = f"step_{checkpoint_step(latest_checkpoint(run_dir)):06d}"
-
-    again = run_dtrain(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert killed_at in again.stderr, again.stderr[-3000:]
-    assert loss_records(run_dir) == loss_records(reference)
-    assert same_weights(run_dir, reference)
+    assert_continues_bitwise(args, run_dir, reference)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["parallel=fsdp", "world=2", "train.micro_batch_size=4"],  # 4 x 32 x 2 data-parallel ranks x 1
-    ["parallel=none", "train.micro_batch_size=8"],  # 8 x 32 x 1 x 1
-], ids=["fsdp_w2", "none"])
+@pytest.mark.parametrize("layout", list(PLAIN_LAYOUTS.values()), ids=list(PLAIN_LAYOUTS))
 def test_an_fsdp_x_tp_checkpoint_continues_under_another_layout(data_dir, runs, tmp_path, layout):
     """The FSDP x TP checkpoint (world 4, 2 data-parallel ranks) holds its fused rows in the model's
     own [q | k | v] order, so another mesh reads it: resumed at step 8 with the same global batch,
     the rest of the run tracks the uninterrupted FSDP x TP run within 1e-5."""
     source = runs("gpt2", "fsdp_tp2")
     step = 8  # the oldest checkpoint the run keeps (checkpoint.keep=3 of 4, 8, 12, 16)
-    ckpt = source / "checkpoints" / f"step_{step:06d}"
     run_dir = tmp_path / "resharded"
-    run_dtrain(tiny_args(data_dir, run_dir, *REFERENCE_BATCH, *layout, f"resume={ckpt}"), check=True)
-    want, got = train_losses(source), train_losses(run_dir)
-    assert sorted(got) == list(range(step + 1, STEPS + 1))
-    worst = max(abs(got[s] - want[s]) for s in got)
-    assert worst < 1e-5, f"{layout}: max |loss - uninterrupted FSDP x TP| = {worst:.3g}"
+    assert_continues_within(source, step, tiny_args(data_dir, run_dir, *REFERENCE_BATCH, *layout), run_dir)

@@ -45,22 +45,29 @@ def rank_factor(dp_world: int, world) -> str:
 
 
 def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
-    """The run's mesh from parallel.dp_replicate and parallel.tp: dp_shard takes the rest of
-    `world`, so their product must divide it. (The mesh's cp dimension stays 1: context
-    parallelism is not built yet.)"""
+    """The run's mesh from parallel.dp_replicate, parallel.cp and parallel.tp: dp_shard takes the rest
+    of `world`, so their product must divide it. Context parallelism cuts each sequence into 2 x cp
+    equal chunks (trainer/parallel/context_parallel.py), so it must divide train.seq_len that way."""
     p = cfg.parallel
-    sizes = {"parallel.dp_replicate": p.dp_replicate, "parallel.tp": p.tp}
+    sizes = {"parallel.dp_replicate": p.dp_replicate, "parallel.cp": p.cp, "parallel.tp": p.tp}
     for key, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             raise ConfigError(f"{key}={size} must be a whole number of ranks, 1 or more")
-    fixed = p.dp_replicate * p.tp
+    fixed = p.dp_replicate * p.cp * p.tp
     if world % fixed:
         named = " x ".join(f"{key}={size}" for key, size in sizes.items() if size > 1)
         raise ConfigError(
             f"{named} = {fixed} ranks does not divide world={world}; the mesh is dp_replicate x dp_shard "
-            f"x tp = world, so set world to a multiple of {fixed} or lower those sizes"
+            f"x cp x tp = world, so set world to a multiple of {fixed} or lower those sizes"
         )
-    return MeshShape(dp_replicate=p.dp_replicate, dp_shard=world // fixed, tp=p.tp)
+    seq_len = cfg.train.seq_len
+    if p.cp > 1 and seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"parallel.cp={p.cp} cuts each sequence into 2 x cp = {2 * p.cp} equal chunks (one early and one "
+            f"late per rank, for balanced causal attention), which train.seq_len={seq_len} is not a multiple "
+            f"of; choose a train.seq_len divisible by {2 * p.cp}"
+        )
+    return MeshShape(dp_replicate=p.dp_replicate, dp_shard=world // fixed, cp=p.cp, tp=p.tp)
 
 
 def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:

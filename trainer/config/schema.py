@@ -198,9 +198,10 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size (all-reduce overlaps backward per bucket)
     reshard_after_forward: bool = True  # FSDP: free gathered params after forward (ZeRO-3)
     mixed_precision: str = "auto"  # FSDP: auto = bf16 params / fp32 reduce on CUDA, fp32 on CPU
-    # The device mesh (trainer/process/mesh_shape.py): dp_replicate x dp_shard x tp = world,
+    # The device mesh (trainer/process/mesh_shape.py): dp_replicate x dp_shard x cp x tp = world,
     # dp_shard being the rest. Only parallel=hsdp replicates shards (its YAML: one replica per node).
     dp_replicate: int = 1
+    cp: int = 1  # context-parallel degree: each sequence split over this many ranks
     tp: int = 1  # tensor-parallel degree: each layer's matrices split over this many ranks
 
 

@@ -38,6 +38,9 @@ class GPT(nn.Module):
             self.transformer.wte.weight = self.lm_head.weight
         self.activation_checkpointing = False
         self.loss_chunks = 1  # train.loss_chunks: > 1 computes the loss in pieces (trainer/model/loss.py)
+        # parallel.cp > 1 (trainer/parallel/context_parallel.py): a forward with targets computes this
+        # rank's share of each sequence; forwards without (decoding, scoring) run whole on every rank.
+        self.sequence_split = None
         # A model on the meta device (the memory plan's: shapes only) has no values to initialise, and
         # torch's meta normal_ is a Python reference that costs milliseconds a tensor (and its first
         # call imports torch._dynamo): seconds for a deep model, for nothing.
@@ -98,14 +101,21 @@ class GPT(nn.Module):
         (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows); (B, K):
         those K positions of each row, (B, K, vocab) (a scored continuation's).
         `cache` (decoding, trainer/model/decode.py): idx fills the cache's next slots, at the
-        positions and under the mask it gives, and attends to what the cache holds."""
+        positions and under the mask it gives, and attends to what the cache holds.
+        With `sequence_split` set (context parallelism), a forward with targets computes this rank's
+        share of the tokens: the loss is their mean and the logits are theirs; `per_token` gives
+        every token's loss, gathered from the group."""
         B, T = idx.shape
+        split = self.sequence_split if targets is not None and cache is None else None
         if cache is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
             pos = torch.arange(T, dtype=torch.long, device=idx.device)
         else:
             pos = cache.positions
+        if split is not None:
+            pos = split.positions(T, idx.device)
+            idx, targets = split.local(idx), split.local(targets)
         x = self.transformer.wte(idx)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
@@ -114,12 +124,11 @@ class GPT(nn.Module):
         if rope is not None and cache is not None:  # per row (B, T, d): broadcast over the heads
             rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
         for i, block in enumerate(self.transformer.h):
-            if cache is not None:
-                x = block(x, rope, cache.layer(i))
-            elif self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+            kv = cache.layer(i) if cache is not None else split
+            if self.activation_checkpointing and self.training and cache is None:
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, kv, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = block(x, rope, kv)
         x = self.transformer.ln_f(x)
         if logits_at is not None and targets is None:
             rows = torch.arange(B, device=x.device)
@@ -127,13 +136,18 @@ class GPT(nn.Module):
         if targets is None:
             return self._inference_logits(x)[..., : self.config.vocab_size], None
         if self.loss_chunks > 1:  # the logits are never whole: none to return
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks, per_token)
-        logits = self.lm_head(x)
-        # Padded vocabulary rows never appear as targets; their logits only add to the softmax
-        # denominator and are pushed down by training, so they are kept (slicing would copy).
+            logits, loss = None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks, per_token)
+        else:
+            logits = self.lm_head(x)
+            # Padded vocabulary rows never appear as targets; their logits only add to the softmax
+            # denominator and are pushed down by training, so they are kept (slicing would copy).
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
+                                   reduction="none" if per_token else "mean")
         if per_token:
-            return None, F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), reduction="none")
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+            # under context parallelism every rank returns the whole sequences' losses, in order
+            return None, loss if split is None else split.whole(loss.view(B, -1)).view(-1)
+        # The mean over this rank's tokens: a context-parallel group's ranks hold equal shares, so the
+        # mean of their means (the gradients' average over the group, the logged loss's) is the whole's.
         return logits, loss
 
     def _inference_logits(self, x: torch.Tensor) -> torch.Tensor:

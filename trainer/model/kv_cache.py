@@ -92,6 +92,11 @@ class LayerStep:
         values[:, :, s.start: s.end] = v
         return keys[:, :, : s.end], values[:, :, : s.end]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa) -> torch.Tensor:
+        """Attention of this forward's queries over every slot so far (trainer/model/layers.py KeyValues)."""
+        keys, values = self.store(k, v)
+        return sdpa(q, keys, values, self.mask, self.causal)
+
     @property
     def causal(self) -> bool:
         """Plain causal attention suffices: no padding, and the queries are the only slots so far."""

@@ -8,15 +8,29 @@ model; trainer/huggingface/llama.py maps them to Llama's names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.model.config import GPTConfig
-from trainer.model.kv_cache import LayerStep
 
 # torch < 2.5 has no enable_gqa: there the shared key/value heads are repeated instead.
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+# A layer's scaled dot-product attention: (q, k, v, mask, causal) -> output, GQA and dropout applied.
+AttentionCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
+
+
+class KeyValues(Protocol):
+    """Where attention finds keys and values beyond the layer's own: a decoding cache's slots
+    (trainer/model/kv_cache.py LayerStep) or a context-parallel group's whole sequence
+    (trainer/parallel/context_parallel.py). It computes the attention of q over them with `sdpa`."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa: AttentionCall) -> torch.Tensor: ...
 
 
 def make_norm(config: GPTConfig, width: int) -> nn.Module:
@@ -60,8 +74,9 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerStep | None = None) -> torch.Tensor:
-        """Causal attention over x; with `cache` (decoding), over the cached slots and x's."""
+                kv: KeyValues | None = None) -> torch.Tensor:
+        """Causal attention over x; with `kv`, over the keys and values it holds (a decoding cache's
+        earlier slots and x's, or a context-parallel group's sequence)."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).split(self.split_sizes, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)
@@ -73,10 +88,13 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        causal, mask = True, None
-        if cache is not None:
-            k, v = cache.store(k, v)
-            causal, mask = cache.causal, cache.mask
+        y = self.sdpa(q, k, v, None, True) if kv is None else kv.attend(q, k, v, self.sdpa)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # -1: a tensor-parallel rank's heads only
+        return self.resid_dropout(self.c_proj(y))
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             causal: bool) -> torch.Tensor:
+        """Scaled dot-product attention of q over k and v (fewer KV heads: grouped), with dropout."""
         grouped = self.n_kv_head != self.n_head
         if grouped and not SDPA_HAS_GQA:
             repeat = self.n_head // self.n_kv_head
@@ -84,11 +102,9 @@ class CausalSelfAttention(nn.Module):
             grouped = False
         # SDPA picks flash / memory-efficient kernels where the device has them.
         extra = {"enable_gqa": True} if grouped else {}
-        y = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, **extra
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # -1: a tensor-parallel rank's heads only
-        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -125,6 +141,6 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerStep | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache)
+                kv: KeyValues | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, kv)
         return x + self.mlp(self.ln_2(x))

@@ -33,6 +33,9 @@ class Strategy:
     # The device-mesh dimensions besides plain data parallelism this mode can run with: tensor
     # parallelism splits matrices into DTensor shards, which only FSDP2-based modes compose with.
     tensor_parallel = False
+    # Context parallelism gives each rank of a group other tokens of the same sequences, so their
+    # gradients differ: only modes whose data-parallel shards can span the cp ranks (FSDP2) average them.
+    context_parallel = False
     replicates_shards = False  # parallel.dp_replicate > 1: shards replicated across groups (HSDP)
     # A whole-matrix optimizer (Muon) runs on tensor-parallel shards: they are made whole on an
     # owner rank (trainer/parallel/muon_owners.py); without it Muon would step each shard alone.
@@ -68,6 +71,7 @@ class Strategy:
         self.train_cfg = train_cfg
         self.rt = runtime
         self._mesh = None
+        self._data_parallel_mesh = None
 
     @classmethod
     def check_world(cls, world: int, training: bool = True) -> None:
@@ -97,6 +101,12 @@ class Strategy:
                 f"parallel={cls.name} cannot split layers over parallel.tp={shape.tp} ranks: tensor parallelism "
                 f"composes with parallel=fsdp, hsdp or none; use parallel=fsdp parallel.tp={shape.tp}"
             )
+        if shape.cp > 1 and not cls.context_parallel:
+            raise ConfigError(
+                f"parallel={cls.name} cannot split sequences over parallel.cp={shape.cp} ranks: context parallelism "
+                f"runs under parallel=fsdp or hsdp (their shards span the cp ranks, which averages the gradients "
+                f"of each rank's tokens); use parallel=fsdp parallel.cp={shape.cp}"
+            )
         if shape.dp_replicate > 1 and not cls.replicates_shards:
             raise ConfigError(
                 f"parallel.dp_replicate={shape.dp_replicate} replicates sharded groups, which parallel={cls.name} "
@@ -125,11 +135,17 @@ class Strategy:
         return self.split_layers(model.to(self.rt.device))
 
     def split_layers(self, model: GPT) -> GPT:
-        """The model with its blocks split over the mesh's tp ranks (parallel.tp > 1), before any
-        data-parallel wrapping or compile; unchanged at tp 1."""
-        if self.rt.shape.tp == 1:
-            return model
-        return tensor_parallel_plan().parallelize(model, self.device_mesh()["tp"])
+        """The model split over the mesh's model-parallel ranks, before any data-parallel wrapping or
+        compile: its blocks over the tp ranks (parallel.tp > 1), its sequences over the cp ranks
+        (parallel.cp > 1); unchanged when both are 1."""
+        shape = self.rt.shape
+        if shape.tp > 1:
+            model = tensor_parallel_plan().parallelize(model, self.device_mesh()["tp"])
+        if shape.cp > 1:
+            cp_mesh = self.device_mesh()["cp"]
+            split = context_parallel_module().SequenceSplit
+            model.sequence_split = split(cp_mesh.get_group(), cp_mesh.get_local_rank(), shape.cp)
+        return model
 
     def unwrap(self, model: nn.Module) -> GPT:
         """The GPT inside the wrapper (for inference and for names in checkpoints)."""
@@ -181,6 +197,26 @@ class Strategy:
         if shape.model_parallel == 1 and shape.dp_replicate == 1:
             return self.name
         return f"{self.name} ({shape.describe()})"
+
+    def data_parallel_mesh(self):
+        """The mesh the mode's data parallelism shards and averages over: its data-parallel dimensions,
+        with the cp ranks folded into dp_shard (one flattened dimension, dp_shard_cp), since their
+        gradients are averaged like data-parallel ranks'. Built once."""
+        mesh = self.device_mesh()
+        if self.rt.shape.cp == 1:
+            return mesh[self.data_parallel_dims]
+        if self._data_parallel_mesh is None:
+            # Kept, not sliced from the root again: torch 2.13 deprecates slicing a flattened dimension.
+            flat = mesh[FLATTENED[SHARD_CP]]._flatten(SHARD_CP)
+            others = [dim for dim in self.data_parallel_dims if dim != "dp_shard"]  # HSDP's dp_replicate
+            concatenate = getattr(type(mesh), "_concatenate", None)  # torch >= 2.13; before, slicing was the way
+            if not others:
+                self._data_parallel_mesh = flat
+            elif concatenate is not None:
+                self._data_parallel_mesh = concatenate([*(mesh[dim] for dim in others), flat])
+            else:
+                self._data_parallel_mesh = mesh[(*others, SHARD_CP)]
+        return self._data_parallel_mesh
 
     def device_mesh(self):
         """The run's torch DeviceMesh, named by trainer/process/mesh_shape.py's dimensions: those above
@@ -234,6 +270,12 @@ class Strategy:
         dcp_state().set_optimizer_state_dict(raw, parts(optimizer), full)
 
 
+# A mesh dimension made of neighbouring dimensions of the run's mesh, row-major (trainer/plan/shards.py
+# reads a shard's coordinates along it).
+SHARD_CP = "dp_shard_cp"
+FLATTENED = {SHARD_CP: ("dp_shard", "cp")}
+
+
 def dcp_state():
     """torch.distributed.checkpoint.state_dict, the state-dict helpers every mode saves and restores
     through. Imported at the first save or restore, not with this module: torch.distributed.checkpoint
@@ -248,6 +290,15 @@ def tensor_parallel_plan():
     which pulls in DTensor anyway): it imports torch.distributed.tensor (about half a second), which
     a parallel=none run at tp 1 never needs."""
     from trainer.parallel import tensor_parallel as module  # deferred: heavy (see above)
+
+    return module
+
+
+def context_parallel_module():
+    """trainer.parallel.context_parallel, imported where a run splits sequences: torch's causal mask
+    for attention (torch.nn.attention.bias) imports torch._dynamo, about a second that a run at cp 1
+    never needs."""
+    from trainer.parallel import context_parallel as module  # deferred: heavy (see above)
 
     return module
 

@@ -21,6 +21,7 @@ class FSDPStrategy(Strategy):
     shards_parameters = True
     shards_optimizer_state = True
     tensor_parallel = True
+    context_parallel = True
     gathers_matrix_shards = True
 
     @classmethod
@@ -61,7 +62,7 @@ class FSDPStrategy(Strategy):
     def wrap(self, model):
         model = self.split_layers(model.to(self.rt.device))
         # A 1-D data-parallel mesh shards (FSDP); a 2-D one replicates the shards (HSDP).
-        mesh = self.device_mesh()[self.data_parallel_dims]
+        mesh = self.data_parallel_mesh()
         kwargs = dict(mesh=mesh, mp_policy=self.mp_policy)
         for block in model.transformer.h:
             fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)

@@ -20,6 +20,7 @@ class HSDPStrategy(FSDPStrategy):
         # A replica's ranks hold the row shards of its copy, and every replica's gradients are the same
         # after HSDP's all-reduce: each replica runs the owners' exchange inside its own shard group
         # (FSDP's over all ranks would mix two copies' rows) and computes the same update.
-        shards = self.device_mesh()["dp_shard"]
+        mesh = self.data_parallel_mesh()
+        shards = mesh[mesh.mesh_dim_names[-1]]  # dp_shard (with cp: dp_shard_cp)
         return OwnedMuon(run, rank=shards.get_local_rank(), world=shards.size(), sharded=True,
                          group=shards.get_group())

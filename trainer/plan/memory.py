@@ -249,8 +249,16 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     L = m.n_layer
     # Tensor parallelism splits what a block keeps of its heads and MLP width over the tp ranks; the
     # residual stream, the norms' outputs and the (replicated) head's logits stay whole on each.
-    tp = mesh_shape(cfg, world).tp if strategy.tensor_parallel else 1
-    activations = _activation_bytes(shapes.config, t, device_type, act, micro_batch * t.seq_len, tp)
+    shape = mesh_shape(cfg, world)
+    tp = shape.tp if strategy.tensor_parallel else 1
+    # Context parallelism gives each rank 1/cp of each sequence's tokens; its attention also keeps the
+    # group's gathered keys and values (the other ranks' share) for the backward, per layer.
+    cp = shape.cp if strategy.context_parallel else 1
+    tokens = micro_batch * t.seq_len
+    activations = _activation_bytes(shapes.config, t, device_type, act, tokens // cp, tp)
+    if cp > 1:
+        kv_width = shapes.config.kv_heads * shapes.config.head_dim
+        activations += L * act * 2 * kv_width * (tokens - tokens // cp) // tp
     if device_type == "cuda" and act == 2 and not strategy.shards_parameters:
         activations += 2 * n_total // tp  # bf16 copies of the weights, kept for the backward (FSDP: `gathered`)
 
@@ -314,7 +322,7 @@ def checkpoint_bytes(cfg) -> int:
 
     def state(n_layer: int) -> int:
         # Sized as one process holding it all: no mesh dimension splits it.
-        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}, "parallel": {"tp": 1, "dp_replicate": 1}})
+        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}, "parallel": {"tp": 1, "cp": 1, "dp_replicate": 1}})
         one_rank = estimate(sized, "none", 1, 1, "cpu")
         return one_rank.params + one_rank.optim
 

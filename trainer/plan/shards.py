@@ -34,6 +34,7 @@ from trainer.model.config import GPTConfig
 from trainer.optim.build import split_params
 from trainer.optim.registry import elementwise_of
 from trainer.parallel import STRATEGIES
+from trainer.parallel.base import FLATTENED
 from trainer.plan.meta import meta_model
 from trainer.process.runtime import Runtime
 
@@ -67,6 +68,15 @@ class ShardPlan:
     @property
     def ranks_differ(self) -> bool:
         return len(set(self.totals)) > 1
+
+
+def _flat_coordinate(coordinate: tuple[int, ...], dims: tuple[str, ...], root) -> int:
+    """A rank's coordinate along a mesh dimension made of the root's `dims`, flattened row-major."""
+    flat = 0
+    for name in dims:
+        index = root.mesh_dim_names.index(name)
+        flat = flat * root.mesh.shape[index] + coordinate[index]
+    return flat
 
 
 class _MetaStaysMeta(TorchFunctionMode):
@@ -104,13 +114,13 @@ def _rank_numels(param: torch.Tensor, root, cache: dict) -> tuple[int, ...]:
     key = (tuple(param.shape), placements, tuple(mesh.shape), names)
     if key not in cache:
         root_names = root.mesh_dim_names
-        if any(name not in root_names for name in names):
+        parts = [FLATTENED.get(name, (name,)) for name in names]
+        if any(part not in root_names for part in itertools.chain(*parts)):
             raise RuntimeError(f"a parameter's mesh dimensions {names} are not the run's {root_names}")
-        dims = [root_names.index(name) for name in names]
         numels = [0] * world
         for coordinate in itertools.product(*(range(n) for n in root.mesh.shape)):
             local, _ = _compute_local_shape_and_global_offset(
-                param.shape, mesh.shape, [coordinate[d] for d in dims], placements)
+                param.shape, mesh.shape, [_flat_coordinate(coordinate, dims, root) for dims in parts], placements)
             numels[int(root.mesh[coordinate])] = math.prod(local)
         cache[key] = tuple(numels)
     return cache[key]
@@ -132,7 +142,7 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
     train_cfg, optim_cfg = OmegaConf.create(train_yaml), OmegaConf.create(optim_yaml)
     parallel_cfg.mode = mode
     strategy_class = STRATEGIES[mode]
-    shape = mesh_shape(OmegaConf.create({"parallel": parallel_cfg}), world)
+    shape = mesh_shape(OmegaConf.create({"parallel": parallel_cfg, "train": train_cfg}), world)
     strategy_class.check_mesh(shape)
     model = meta_model(GPTConfig.from_cfg(model_cfg))
     with _fake_world(world):

@@ -56,7 +56,8 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
 def check_mode(cfg, world: int) -> None:
     """The parallel mode can run on this many workers (asks the mode's Strategy class)."""
     strategy, shape = check_layout(cfg, world)
-    advice = strategy.world_advice(shape.dp_world)
+    # the ranks the mode's shards span: context-parallel ranks are folded into its data parallelism
+    advice = strategy.world_advice(shape.dp_world * shape.cp)
     if advice:
         Console(stderr=True).print(f"[yellow]{advice}[/]")
 
