@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from trainer.config.batch import rank_factor
 from trainer.errors import NonFiniteError
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.fit.run import Run
@@ -89,7 +90,7 @@ class Trainer:
                     f"parallel={run.strategy.describe()} world={rt.world} device={rt.device} "
                     f"{describe_split(run.strategy.unwrap(run.model), cfg.optim)} | "
                     f"global batch {run.plan.total_batch_size:,} tokens = {t.micro_batch_size} x {t.seq_len} x "
-                    f"{rt.dp_world} ranks x {run.plan.grad_accum_steps} accum | run dir {run_dir}"
+                    f"{rank_factor(rt.dp_world, rt.world)} x {run.plan.grad_accum_steps} accum | run dir {run_dir}"
                     + (f" | resumed at step {start_step}" if start_step else "")
                 )
             steps = StepLog(run, metrics, view)

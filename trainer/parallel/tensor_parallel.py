@@ -18,6 +18,7 @@ Shape-only work: no values are read or made, so it runs on a meta-device model (
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -73,6 +74,10 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
         attn.n_head //= tp
         attn.n_kv_head //= tp
         attn.split_sizes = tuple(width // tp for width in attn.split_sizes)
+    # Gathering a 2-D (FSDP x TP) shard whole takes two all-gathers in turn, and torch logs a warning
+    # about it from every rank at a checkpoint's save (and Muon's first gathered step): the gathers are
+    # of whole matrices, once per save or step, by design, and the user can do nothing about it.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model.tensor_parallel_parts = parts  # what the state-dict conversions regroup, and how
     model.tensor_parallel_degree = tp
     return model
