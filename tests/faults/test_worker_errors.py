@@ -16,13 +16,8 @@ from helpers.user_error_kinds import LINES, OnlyInATest
 
 import trainer
 from trainer.errors import UserError
-from trainer.launch.worker_errors import (
-    ERROR_FILE_ENV,
-    INJECT_ENV,
-    USER_ERROR_EXIT,
-    leave_with_user_error,
-    reported_user_error,
-)
+from trainer.launch.worker_errors import INJECT_ENV, leave_with_user_error, reported_user_error
+from trainer.process.error_record import ERROR_FILE_ENV, USER_ERROR_EXIT
 
 TESTS = REPO / "tests"
 

@@ -216,6 +216,10 @@ class LaunchConfig:
     monitor_interval: float = 0.1
     # How long a collective may wait before the job fails instead of hanging (seconds).
     timeout_s: int = 300
+    # How long a training step may take before the ranks dump their stacks and the job ends naming
+    # the stuck rank (trainer/process/hang_watch.py); null = 10 x the slowest step, 120 s at least
+    # (below timeout_s); 0 = off.
+    hang_timeout_s: Optional[float] = None
     threads_per_worker: Optional[int] = None  # CPU: null = cores / local workers
 
 

@@ -86,6 +86,7 @@ RANGES = {
     "launch.max_restarts": _at_least(0),
     "launch.monitor_interval": _positive(),
     "launch.timeout_s": _at_least(1),
+    "launch.hang_timeout_s": _at_least(0),  # 0 = no hang watch
     "launch.threads_per_worker": _at_least(1),
     "train.seed": _at_least(0),  # numpy's generators take no negative seed
     "train.max_steps": _at_least(1),
@@ -130,6 +131,7 @@ UPPER_BOUNDS = {
     "launch.monitor_interval": (10, "seconds between the launcher's looks at its workers: a job outlives its "
                                 "training, and notices a failed worker, that late"),
     "launch.timeout_s": (7 * 24 * 3600, _WEEK),
+    "launch.hang_timeout_s": (7 * 24 * 3600, _WEEK),
     "launch.threads_per_worker": (1024, _CORES),
     "train.seed": (MAX_SEED, "torch's generators take none larger"),
     "train.sample_tokens": (MAX_SAMPLE_TOKENS, "past the block size each token re-reads the whole window"),
@@ -141,6 +143,7 @@ UPPER_BOUNDS = {
 NULL_MEANS = {
     "model.mlp_hidden": "4 x n_embd, or Llama's rule for swiglu", "model.n_kv_head": "n_head",
     "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
+    "launch.hang_timeout_s": "10 x the slowest step, 120 s at least",
     "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",
     "eval.limit": "every example", "train.target_val_loss": "no target",
     "train.target_val_bpb": "no target", "sweep.seeds": "no seed axis",

@@ -21,6 +21,7 @@ from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.observe.provenance import describe, what_ran
 from trainer.observe.trackers import open_trackers
 from trainer.optim.build import describe_split
+from trainer.process.hang_watch import HangWatch
 from trainer.process.joblog import job_log
 from trainer.process.runtime import Runtime
 from trainer.process.signals import at_step_boundary
@@ -94,13 +95,18 @@ class Trainer:
                     + (f" | resumed at step {start_step}" if start_step else "")
                 )
             steps = StepLog(run, metrics, view)
+            hang_watch = self._hang_watch(run)
             guard = run.guard
             watch = TargetWatch(t, run.flops_per_token)
             t_start = steps.t_first
             val_bpb = math.nan  # the last validation's bits per byte (the summary's)
             try:
                 while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
+                    if hang_watch:
+                        hang_watch.step_begins()
                     steps.after_step(*run.train_step(state.step))
+                    if hang_watch:
+                        hang_watch.step_ends()
                     if not guard.finite and guard.respond(guard.describe(), run, checkpointer, metrics):
                         steps.restart_window()
                         continue
@@ -172,10 +178,21 @@ class Trainer:
                     metrics.log({"step": state.step, "tokens": state.tokens, **beside, "summary": figures})
                 return result
             finally:
+                if hang_watch:
+                    hang_watch.close()
                 view.close()
                 metrics.close()
                 if checkpointer is not None:
                     checkpointer.close()
+
+
+    def _hang_watch(self, run: Run) -> HangWatch | None:
+        """The watch of a multi-process run's training steps (launch.hang_timeout_s; 0: none)."""
+        rt, launch = self.rt, self.cfg.launch
+        if not (rt.distributed and rt.world > 1) or launch.hang_timeout_s == 0:
+            return None
+        return HangWatch(rt.rank, rt.world, self.run_dir, run.progress, launch.hang_timeout_s, launch.timeout_s,
+                         rt.device)
 
 
 def _summary_rows(result: RunResult, run_dir: Path, resumed: bool) -> dict[str, str]:

@@ -5,6 +5,7 @@ Trainer steps it; benchmarks time these very methods."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from trainer.model.gpt import build_model
 from trainer.optim.build import build_optimizer, masks_on_device
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
+from trainer.process.hang_watch import StepProgress, injected_delay
 from trainer.process.joblog import say
 from trainer.process.runtime import Runtime
 from trainer.tokenizers.load import load_tokenizer
@@ -76,6 +78,9 @@ class Run:
         self.state = TrainState()
         self.guard = NonFiniteGuard(cfg.train, rt)
         self.masks_on_device = masks_on_device(self.optimizer)
+        # where the step in progress has got to, for a hang's report (trainer/process/hang_watch.py)
+        self.progress = StepProgress(micros=self.plan.grad_accum_steps)
+        self.delay = injected_delay()  # a testing hook: (rank, step, seconds) or None
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
 
     def _val_set(self, data) -> ValidationSet:
@@ -121,6 +126,7 @@ class Run:
         `state`. Returns (mean loss over all ranks, grad norm, lr); the check's read of the two is
         the step's one host sync. Its two phases are methods of their own so that benchmarks time
         this very code."""
+        self.progress.step = step + 1
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         set_lr(self.optimizer, lr)
         loss = self.forward_backward(poison=self.guard.poisons(step))
@@ -140,8 +146,13 @@ class Run:
             self.model.train()
         accum = self.plan.grad_accum_steps
         loss_sum = torch.zeros((), device=self.rt.device)
+        progress = self.progress
         for micro in range(accum):
+            progress.at(micro, 0)
+            if micro == 0 and self.delay and self.delay[:2] == (self.rt.rank, progress.step):
+                time.sleep(self.delay[2])
             x, y = self.train_loader.next_batch()
+            progress.at(micro, 1)
             with self.strategy.micro_step(self.model, is_last=micro == accum - 1):
                 with self.strategy.autocast():
                     # Only the loss: holding the logits (B x T x vocab) through backward would keep
@@ -149,6 +160,7 @@ class Run:
                     loss = self.forward(x, y)[1]
                     if poison:
                         loss = loss * math.nan
+                progress.at(micro, 2)
                 # Each micro-step's gradient is 1/accum of the step's mean-loss gradient.
                 (loss / accum).backward()
             loss_sum += loss.detach()
@@ -159,6 +171,7 @@ class Run:
         weights only when it is finite (else drop the gradients): masked on device where the
         optimizer can, so no host sync comes before the update. Returns (mean loss over all ranks,
         gradient norm before clipping)."""
+        self.progress.at(self.plan.grad_accum_steps - 1, 3)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device)
         if found_inf is not None:

@@ -25,7 +25,8 @@ from trainer.fit.loop import Trainer
 from trainer.parallel import strategy_class
 from trainer.preflight.claim import claim_run
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
-from trainer.process.runtime import Runtime, init_runtime
+from trainer.process.hang_watch import flight_recorder_env
+from trainer.process.runtime import Runtime, init_runtime, pick_device
 from trainer.process.signals import StopSignals
 
 
@@ -35,7 +36,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> dict:
     Module level and picklable: torchrun's engine spawns it in every worker process. A stop signal
     ends it as Stopped, once every rank has stopped at the same step and the checkpoint is saved.
     """
-    with _this_rank(cfg_dict) as (cfg, rt):
+    with _this_rank(cfg_dict, Path(run_dir)) as (cfg, rt):
         return asdict(Trainer(cfg, rt, Path(run_dir), Checkpointer(cfg, rt, Path(run_dir))).fit())
 
 
@@ -45,7 +46,7 @@ def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
     raised on every rank. Returns the run's figures ({} when the run had finished already)."""
     lock = RunDirLock(Path(run_dir))  # rank 0 holds the run directory's lock for the run's life
     try:
-        with _this_rank(cfg_dict) as (cfg, rt):
+        with _this_rank(cfg_dict, Path(run_dir)) as (cfg, rt):
             def claim() -> tuple[dict, str, bool]:
                 finished = claim_run(cfg, Path(run_dir), rt.world, lock) is RunDirState.FINISHED
                 if finished:
@@ -62,13 +63,15 @@ def torchrun_main(cfg_dict: dict, run_dir: str) -> dict:
 
 
 @contextmanager
-def _this_rank(cfg_dict: dict) -> Iterator[tuple[DictConfig, Runtime]]:
+def _this_rank(cfg_dict: dict, run_dir: Path) -> Iterator[tuple[DictConfig, Runtime]]:
     """The config and this rank's runtime (process group, device, threads) with its stop signals,
     and the teardown after the run, whatever ended it."""
     # First of all: a stop signal or the launcher's death while the process group comes up is
     # already handled (see trainer.process.signals).
     stop = StopSignals(int(os.environ.get("RANK", 0))).install()
     cfg = from_dict(cfg_dict)
+    if pick_device(cfg.train.device, 0).type == "cuda":
+        os.environ.update(flight_recorder_env(run_dir))  # before the process group reads them
     try:
         rt = init_runtime(
             cfg.train.device,

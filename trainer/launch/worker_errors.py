@@ -2,10 +2,9 @@
 
 A worker that torchrun's engine started (trainer.launch.workers.worker_process) catches UserError at its
 entry, every subclass by `isinstance`, also one defined outside dtrain. It writes its one line
-into the error file torchelastic gave it (TORCHELASTIC_ERROR_FILE, torchelastic's channel from a
-worker to its agent; the agent reads it back as the failure's `error_file_data`) under
-USER_ERROR_KEY, and leaves with exit code USER_ERROR_EXIT. The driver raises one UserError with
-that line. Nothing here or in the driver lists the kinds of user error.
+into the error file torchelastic gave it (trainer/process/error_record.py) and leaves with exit
+code USER_ERROR_EXIT. The driver raises one UserError with that line. Nothing here or in the
+driver lists the kinds of user error.
 
 The worker leaves by SystemExit: torchelastic's `record` would write an uncaught exception into
 the same file (over this one), and lets a SystemExit pass without writing.
@@ -18,35 +17,21 @@ raises so a kind of user error that only the test defines, in real worker proces
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import time
-from pathlib import Path
 from typing import NoReturn
 
 from trainer.errors import UserError
+from trainer.process.error_record import USER_ERROR_EXIT, USER_ERROR_KEY, write_error_record
 
-USER_ERROR_KEY = "dtrain_user_error"
-USER_ERROR_EXIT = 2  # as the `dtrain` command's own exit code for a user error
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 INJECT_ENV = "DTRAIN_INJECT_WORKER_ERROR"
 
 
 def leave_with_user_error(err: UserError) -> NoReturn:
     """End this worker with `err` recorded for its driver (re-raised as it is where torchelastic
     gave the worker no error file: nowhere to record it)."""
-    error_file = os.environ.get(ERROR_FILE_ENV)
-    if not error_file:
-        raise err
     line = str(err).strip().split("\n")[0]  # the rule's one line, should a message hold more
-    # torchelastic's own layout of the file (its message and timestamp: which worker failed
-    # first), with the line beside it
-    record = {
-        "message": {"message": f"{type(err).__name__}: {line}",
-                    "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
-        USER_ERROR_KEY: line,
-    }
-    Path(error_file).write_text(json.dumps(record))
+    if not write_error_record(type(err).__name__, line):
+        raise err
     raise SystemExit(USER_ERROR_EXIT)
 
 
