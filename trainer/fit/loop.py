@@ -17,6 +17,7 @@ from trainer.evals.hellaswag import HellaSwagEval
 from trainer.fit.run import Run
 from trainer.fit.steplog import StepLog
 from trainer.fit.target import TargetWatch, describe_target
+from trainer.observe.inspection import StepInspection
 from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.observe.provenance import describe, what_ran
 from trainer.observe.trackers import open_trackers
@@ -94,13 +95,15 @@ class Trainer:
                     + (f" | resumed at step {start_step}" if start_step else "")
                 )
             steps = StepLog(run, metrics, view)
+            inspection = StepInspection(cfg, rt, run_dir, steps, view)  # train.profile.steps, memory, out-of-memory
             guard = run.guard
             watch = TargetWatch(t, run.flops_per_token)
             t_start = steps.t_first
             val_bpb = math.nan  # the last validation's bits per byte (the summary's)
             try:
                 while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
-                    steps.after_step(*run.train_step(state.step))
+                    with inspection.around(state.step + 1):
+                        steps.after_step(*run.train_step(state.step))
                     if not guard.finite and guard.respond(guard.describe(), run, checkpointer, metrics):
                         steps.restart_window()
                         continue
@@ -172,6 +175,7 @@ class Trainer:
                     metrics.log({"step": state.step, "tokens": state.tokens, **beside, "summary": figures})
                 return result
             finally:
+                inspection.close()
                 view.close()
                 metrics.close()
                 if checkpointer is not None:
