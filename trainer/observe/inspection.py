@@ -7,8 +7,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from trainer.observe.memory import MemoryRecorder
 from trainer.observe.profile import StepProfiler
 
@@ -25,11 +23,8 @@ class StepInspection:
 
     @contextmanager
     def around(self, step: int):
-        try:
-            with self.profiler.around(step):
-                yield
-        except torch.OutOfMemoryError as err:
-            raise self.memory.out_of_memory(step) from err
+        with self.memory.watch(step), self.profiler.around(step):
+            yield
         if self.memory.after_step(step):
             self.steps.restart_window(excluded="memory_snapshot")  # the dump is not the next step's time
 

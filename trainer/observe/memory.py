@@ -8,6 +8,7 @@ newest. preflight/torch_checks.py refuses the key on a run that does not train o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +43,14 @@ class MemoryRecorder:
         path = self.folder / name
         torch.cuda.memory._dump_snapshot(str(path))
         return path
+
+    @contextmanager
+    def watch(self, step: int):
+        """Around step `step`: torch's out-of-memory error becomes the one line (DeviceOutOfMemory)."""
+        try:
+            yield
+        except torch.OutOfMemoryError as err:
+            raise self.out_of_memory(step) from err
 
     def out_of_memory(self, step: int) -> DeviceOutOfMemory:
         """The error for a step that ran out of device memory, its snapshot dumped first when the
