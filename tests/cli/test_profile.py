@@ -43,6 +43,13 @@ def assert_profiled(run_dir: Path, stdout: str, world: int) -> None:
     assert excluded["profile"] >= 2 * mean_s * 0.99, (excluded, mean_s)
     figures = summary["summary"]
     assert figures["train_s"] + sum(excluded.values()) <= figures["wall_s"]  # each second counted once
+    # every step is logged (train.log_interval=1), each its own window: training time and tokens/s are
+    # steps 2, 5 and 6 alone (step 1 is warm-up; 3 and 4 are profiled)
+    steps = {r["step"]: r for r in read_metrics(run_dir) if "tokens_per_s" in r}
+    step_tokens = steps[2]["tokens"] - steps[1]["tokens"]
+    training = [step_tokens / steps[s]["tokens_per_s"] for s in (2, 5, 6)]
+    assert figures["train_s"] == pytest.approx(sum(training), rel=1e-6)
+    assert figures["train_tokens_per_s"] == pytest.approx(3 * step_tokens / sum(training), rel=1e-6)
 
 
 def test_profile_of_two_steps(data_dir, tmp_path):
