@@ -92,6 +92,7 @@ class StepProfiler:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler, self.window = None, None
+            self.steps.exclude_steps(None)
 
     def close(self) -> None:
         """The run ended (or stopped) inside the window: write what was profiled."""
