@@ -18,6 +18,11 @@ class CheckpointError(UserError):
     pass
 
 
+class DeviceOutOfMemory(UserError):
+    """A training step ran out of device memory (trainer/observe/memory.py): the line names the step,
+    the peak, the snapshot written, and the settings that need less memory."""
+
+
 class WorkerFailed(Exception):
     """A worker died for a reason that is not the user's input; carries its error report."""
 

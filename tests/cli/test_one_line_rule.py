@@ -44,6 +44,11 @@ REFUSED_RUNS = {
                                 "eval.hellaswag.path={run}.jsonl"], "is not a file"),
     "hellaswag offline": (["hydra.run.dir={run}", "eval.hellaswag.interval=2", f"eval.hellaswag.url={DEAD_URL}"],
                           "cannot download HellaSwag"),
+    # issue 48: a window past the run's last step; the allocator's history on a CPU run (known once torch is up)
+    "profile steps past max_steps": (["hydra.run.dir={run}", "train.profile.steps=[3,40]"],
+                                     "train.profile.steps=[3,40] must be two step numbers"),
+    "memory snapshot on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.memory_snapshot=true"],
+                                   "train.memory_snapshot=true needs a CUDA device"),
 }
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.checkpoint.integrity import CorruptCheckpoint
-from trainer.errors import CheckpointError, ConfigError, DataError, UserError
+from trainer.config.compose import compose
+from trainer.errors import CheckpointError, ConfigError, DataError, DeviceOutOfMemory, UserError
+from trainer.observe.memory import out_of_memory_line
 
 
 class OnlyInATest(UserError):
@@ -38,6 +40,12 @@ def corrupt_checkpoint() -> UserError:
     return CorruptCheckpoint(Path("/nowhere/checkpoints/step_000004"), "a flipped byte in a shard")
 
 
+def device_out_of_memory() -> UserError:
+    return DeviceOutOfMemory(out_of_memory_line(compose(["model=tiny"]), 3, 1, 70 * 2**30, 80 * 2**30,
+                                                Path("/nowhere/memory/rank1_step3_oom.pickle")))
+
+
 # name -> the line the user must see
 LINES = {factory.__name__: str(factory()) for factory in
-         (only_in_a_test, user_error, config_error, data_error, checkpoint_error, corrupt_checkpoint)}
+         (only_in_a_test, user_error, config_error, data_error, checkpoint_error, corrupt_checkpoint,
+          device_out_of_memory)}

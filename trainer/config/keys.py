@@ -64,6 +64,7 @@ OPERATIONAL = (
     "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
     # watched
     "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
+    "train.profile.", "train.memory_snapshot",
     # the old names (RENAMED_KEYS), each moved to its new key before anything reads it
     *RENAMED_KEYS,
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",

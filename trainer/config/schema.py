@@ -224,6 +224,14 @@ class LaunchConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # train.profile.steps=[START, END]: torch.profiler over those optimizer steps (1-based, as the step
+    # lines number them), a trace per rank in <run dir>/profile/ (trainer/observe/profile.py); the
+    # steps are left out of tokens/s and MFU. null = no profiling.
+    steps: Optional[List[int]] = None
+
+
+@dataclass
 @with_old_names("train")
 class TrainConfig:
     seed: int = 1337
@@ -270,6 +278,11 @@ class TrainConfig:
     target_val_loss: Optional[float] = None
     target_val_bpb: Optional[float] = None  # the same in bits per byte (comparable across tokenizers)
     continue_after_target: bool = False
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # CUDA only: the allocator's history recorded from the start and dumped at the first profiled
+    # (else the first) step to <run dir>/memory/rank<R>_step<N>.pickle (trainer/observe/memory.py);
+    # an out-of-memory error then dumps one too.
+    memory_snapshot: bool = False
 
 
 @dataclass

@@ -242,6 +242,7 @@ def validate(cfg: DictConfig) -> None:
     if t.loss_chunks > t.seq_len:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")
+    check_profile_steps(t.profile.steps, t.max_steps)
     check_block(m)
     check_tensor_parallel(m, p.tp)
     check_model_size(m)
@@ -289,6 +290,21 @@ def validate(cfg: DictConfig) -> None:
     check_logger(cfg.logger)
     check_endpoint(cfg.launch.rdzv_endpoint)
     batch_plan(cfg, requested_world(cfg))
+
+
+def check_profile_steps(steps, max_steps: int) -> None:
+    """train.profile.steps is null or [START, END], two step numbers (1-based, as the step lines
+    print them) with 1 <= START <= END <= train.max_steps."""
+    if steps is None:
+        return
+    values = list(steps)
+    whole = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    if len(values) == 2 and whole and 1 <= values[0] <= values[1] <= max_steps:
+        return
+    start = min(3, max_steps)
+    raise ConfigError(f"train.profile.steps=[{','.join(str(v) for v in values)}] must be two step numbers "
+                      f"[START,END] with 1 <= START <= END <= train.max_steps={max_steps}; "
+                      f"e.g. train.profile.steps=[{start},{min(start + 1, max_steps)}]")
 
 
 def check_optimizer_name(name: str) -> None:

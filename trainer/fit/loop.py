@@ -17,6 +17,7 @@ from trainer.evals.hellaswag import HellaSwagEval
 from trainer.fit.run import Run
 from trainer.fit.steplog import StepLog
 from trainer.fit.target import TargetWatch, describe_target
+from trainer.observe.inspection import StepInspection
 from trainer.observe.metrics import MetricsLogger, ProgressView
 from trainer.observe.provenance import describe, what_ran
 from trainer.observe.trackers import open_trackers
@@ -95,6 +96,7 @@ class Trainer:
                     + (f" | resumed at step {start_step}" if start_step else "")
                 )
             steps = StepLog(run, metrics, view)
+            inspection = StepInspection(cfg, rt, run_dir, steps, view)  # train.profile.steps, memory, out-of-memory
             hang_watch = self._hang_watch(run)
             guard = run.guard
             watch = TargetWatch(t, run.flops_per_token)
@@ -102,11 +104,12 @@ class Trainer:
             val_bpb = math.nan  # the last validation's bits per byte (the summary's)
             try:
                 while state.step < t.max_steps:  # a rollback (train.on_nonfinite) sets state.step back
-                    if hang_watch:
-                        hang_watch.step_begins()
-                    steps.after_step(*run.train_step(state.step))
-                    if hang_watch:
-                        hang_watch.step_ends()
+                    with inspection.around(state.step + 1):
+                        if hang_watch:
+                            hang_watch.step_begins()
+                        steps.after_step(*run.train_step(state.step))
+                        if hang_watch:
+                            hang_watch.step_ends()
                     if not guard.finite and guard.respond(guard.describe(), run, checkpointer, metrics):
                         steps.restart_window()
                         continue
@@ -180,6 +183,7 @@ class Trainer:
             finally:
                 if hang_watch:
                     hang_watch.close()
+                inspection.close()
                 view.close()
                 metrics.close()
                 if checkpointer is not None:

@@ -1,7 +1,7 @@
 """The loop's bookkeeping after each optimizer step (trainer/fit/loop.py): tokens/s windows, MFU, ETA,
 the step's log record, and the split of the session's seconds into training (TrainState.train_s)
-and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, other), which time to
-target (trainer/fit/target.py) reports. Each second counted in one of them counts in
+and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, profile, memory_snapshot,
+other), which time to target (trainer/fit/target.py) reports. Each second counted in one of them counts in
 TrainState.wall_s too: like them it adds up over every start of the run (the checkpoint keeps it)."""
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class StepLog:
         self.window_tokens = 0  # tokens and seconds of the windows closed at a logged step
         self.window_seconds = 0.0
         self.warmup_window: tuple[int, float] | None = None  # the first step's (see the docstring)
+        self.excluding: str | None = None  # the kind of the steps now running when not training (exclude_steps)
         self.t_first = time.perf_counter()  # the training's start (ETA and the wall-clock figure)
         self.t_mark = self.t_first  # the end of the last step or pause: what follows is a step's or a pause's
         self.restart_window(self.t_first)
@@ -50,6 +51,13 @@ class StepLog:
         self.t_mark = self.t_window = now
         self.tokens_window = 0
 
+    def exclude_steps(self, kind: str | None) -> None:
+        """The steps from the next on are `kind` time, not training (None: training again), as a
+        profiled window is (trainer/observe/profile.py): their seconds count in state.excluded_s[kind]
+        and their tokens in no window of the training figure. Each switch starts a new window."""
+        self.restart_window(excluded=self.excluding or "other")
+        self.excluding = kind
+
     def _exclude(self, kind: str, now: float) -> None:
         if now > self.t_mark:
             state = self.run.state
@@ -60,8 +68,10 @@ class StepLog:
         """Account for the step Run.train_step just completed; log it when due."""
         state = self.run.state
         now = time.perf_counter()  # the step has ended: its loss and grad norm were read (nonfinite.py)
-        if state.step == self.first_step:  # compilation and warm-up: not training time (the docstring)
-            self._exclude("warmup", now)
+        # compilation and warm-up (the docstring), or a window of excluded steps: not training time
+        kind = "warmup" if state.step == self.first_step else self.excluding
+        if kind is not None:
+            self._exclude(kind, now)
         else:
             state.train_s += now - self.t_mark
             state.wall_s += now - self.t_mark
@@ -75,7 +85,7 @@ class StepLog:
         tokens_per_s = self.tokens_window / (now - self.t_window)
         if self.warmup_window is None:
             self.warmup_window = (self.tokens_window, now - self.t_window)
-        else:
+        elif self.excluding is None:
             self.window_tokens += self.tokens_window
             self.window_seconds += now - self.t_window
         self.restart_window(now)

@@ -5,6 +5,7 @@ so that a mistake they catch leaves nothing a later command would take for a run
     the parallel mode on this many workers   (the mode's Strategy class)
     optim.name's registration and its optim.args (trainer/optim/registry.py)
     train.device=cuda[:N] with no CUDA device
+    train.memory_snapshot=true on a run that will not use CUDA (the allocator's history is CUDA's)
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
     a model whose weights, gradients and optimizer state cannot fit the device's (or RAM's) memory
@@ -26,7 +27,7 @@ from trainer.checkpoint.space import check_space_for_first_checkpoint
 from trainer.config.batch import mesh_shape
 from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.io import one_line
 from trainer.optim.registry import check_args, states_of
 from trainer.parallel import strategy_class
@@ -44,6 +45,7 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     check_mode(cfg, world)
     check_args(cfg.optim)  # finds the optimizer's registration, or says why not
     device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
+    check_memory_snapshot(cfg, device)
     check_model_fits(cfg, world, device)
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
@@ -72,6 +74,15 @@ def check_layout(cfg, world: int):
     # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
     strategy.check_world(shape.dp_world)
     return strategy, shape
+
+
+def check_memory_snapshot(cfg, device: torch.device) -> None:
+    """train.memory_snapshot records the CUDA caching allocator's history: a run on the CPU has none.
+    Here, where train.device=auto is resolved, not in the torch-free checks."""
+    if cfg.train.memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"train.memory_snapshot=true needs a CUDA device; this run trains on {device.type} "
+                          f"(train.device={cfg.train.device}); drop train.memory_snapshot (on the CPU, "
+                          "train.profile.steps=[START,END] shows memory in the profile)")
 
 
 def check_model_fits(cfg, world: int, device: torch.device) -> None:
