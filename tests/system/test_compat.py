@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers.checkpoints import loss_records, same_weights
+from helpers.checkpoints import assert_continues_bitwise
 from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import (
@@ -27,7 +27,6 @@ from helpers.runs import (
     on_reference_steps,
 )
 
-from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 from trainer.huggingface.mapping import CONV1D_WEIGHTS
 from trainer.weights.from_checkpoint import model_from_run
 
@@ -65,12 +64,18 @@ def test_sharded_kill_9_then_the_same_command_is_bitwise(data_dir, runs, tmp_pat
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     args = tiny_args(data_dir, run_dir, *MUON_BATCH, *on_reference_steps("fsdp"))
     assert kill_past_a_checkpoint(args, run_dir, log) < STEPS
-    resumed_from = checkpoint_step(latest_checkpoint(run_dir))
-    again = run_dtrain(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"step_{resumed_from:06d}" in again.stderr, again.stderr[-3000:]
-    assert loss_records(run_dir) == loss_records(reference)
-    assert same_weights(run_dir, reference)
+    assert_continues_bitwise(args, run_dir, reference)
+
+
+@pytest.mark.slow
+def test_context_and_tensor_parallelism_match_one_process(runs, shared_run):
+    """parallel.cp and parallel.tp under fsdp on the floor torch: the differentiable all-gather of
+    keys and values, the bottom-right causal mask and the flattened dp_shard x cp mesh
+    (trainer/parallel/context_parallel.py), and the DTensor shards of the tensor-parallel plan."""
+    reference = train_losses(runs("reference", "adamw"))
+    for layout in (["parallel=fsdp", "parallel.cp=2", "world=2"], ["parallel=fsdp", "parallel.tp=2", "world=2"]):
+        got = train_losses(shared_run(*REFERENCE_BATCH, *layout, "train.micro_batch_size=2")[0])
+        assert_matches_one_process(reference, got, STEPS, f"{' '.join(layout)} on torch {torch.__version__}")
 
 
 @pytest.mark.slow
