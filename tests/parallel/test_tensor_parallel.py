@@ -4,7 +4,8 @@ The same 256-token reference steps as test_parity: `parallel=none parallel.tp=2`
 data-parallel rank) and `parallel=fsdp parallel.tp=2` (world 4: FSDP over 2 data-parallel ranks,
 TP 2 inside each) track the one-process losses within 1e-5, for GPT-2 blocks (fused [q | k | v],
 biases, a tied head) and Llama blocks (GQA: 4 query and 2 KV heads, SwiGLU's fused [gate | up]);
-Lion and Muon do too under FSDP x TP.
+Lion does too under FSDP x TP, and Muon under FSDP x TP and under 1-D TP (whose checkpoint's
+momenta continue under parallel=none).
 The FSDP x TP run of GPT-2 blocks saves checkpoints: killed with -9 past one, the same command
 continues it bitwise.
 """
@@ -25,10 +26,7 @@ from helpers.runs import (
     assert_matches_one_process,
 )
 
-from trainer.config.compose import compose
-from trainer.errors import ConfigError
 from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
-from trainer.preflight.torch_checks import check_layout
 
 STEPS = REFERENCE_STEPS
 CHECKPOINTED = "checkpoint.interval=4"  # the tensor-parallel runs save: the kill -9 test's reference
@@ -68,13 +66,6 @@ def test_group_rows_puts_each_ranks_rows_of_every_part_together():
     assert torch.equal(ungroup_rows(grouped, (8, 4, 4), tp=2), torch.cat([q, k, v]))
 
 
-def test_muon_with_tensor_parallel_outside_fsdp_is_one_line():
-    with pytest.raises(ConfigError, match=r"optim=muon with parallel.tp=2 runs under parallel=fsdp or hsdp"):
-        check_layout(compose(["optim=muon", "parallel=none", "parallel.tp=2", "world=2"]), 2)
-    check_layout(compose(["optim=muon", "parallel=fsdp", "parallel.tp=2", "world=4"]), 4)
-    check_layout(compose(["optim=muon", "parallel=hsdp", "parallel.tp=2", "world=4"]), 4)
-
-
 # The quick tier (make test) runs GPT-2 blocks under 1-D TP only; each case is one launch of its own.
 @pytest.mark.parametrize(("model", "case"), [
     ("gpt2", "none_tp2"),
@@ -93,13 +84,25 @@ def test_lion_under_fsdp_x_tp_matches_one_process(runs):
 
 
 @pytest.mark.slow
-def test_muon_under_fsdp_x_tp_matches_one_process(shared_run):
-    """Each hidden matrix gathered whole over the 2 x 2 mesh, its [q | k | v] rows in the model's
-    order, orthogonalized on its owner, and the update cut back by the placements
-    (trainer/parallel/muon_owners.py); test_muon's one-process Muon run is the reference."""
+@pytest.mark.parametrize("case", ["fsdp_tp2", "none_tp2"])
+def test_muon_under_tp_matches_one_process(case, shared_run):
+    """Each hidden matrix gathered whole over the mesh (2 x 2 under fsdp; the 2 tp ranks under none),
+    its [q | k | v] rows in the model's order, orthogonalized on its owner, and the update cut back
+    by the placements (trainer/parallel/muon_owners.py); test_muon's one-process Muon run is the
+    reference. The none_tp2 run saves checkpoints (MUON_BATCH): Muon's momenta by name, by owner."""
     reference = train_losses(shared_run(*MUON_BATCH, *ONE_PROCESS)[0])
-    got = train_losses(shared_run(*MUON_BATCH, *CASES["fsdp_tp2"])[0])
-    assert_matches_one_process(reference, got, STEPS, "muon fsdp_tp2")
+    got = train_losses(shared_run(*MUON_BATCH, *CASES[case])[0])
+    assert_matches_one_process(reference, got, STEPS, f"muon {case}")
+
+
+@pytest.mark.slow
+def test_a_muon_tp_checkpoint_continues_without_tp(data_dir, shared_run, tmp_path):
+    """The owners' whole momenta, saved by name under parallel=none parallel.tp=2, load into one
+    process's Muon: resumed at step 8, the rest tracks the uninterrupted TP run within 1e-5."""
+    source = shared_run(*MUON_BATCH, *CASES["none_tp2"])[0]
+    run_dir = tmp_path / "resharded"
+    args = tiny_args(data_dir, run_dir, *MUON_BATCH, *PLAIN_LAYOUTS["none"])
+    assert_continues_within(source, 8, args, run_dir)
 
 
 @pytest.mark.slow

@@ -124,7 +124,6 @@ def cmd_plan(argv: list[str]) -> None:
     chosen = cfg.parallel.mode
     # The mode asked for must lay out its mesh (the table then shows the others that can or cannot).
     STRATEGIES[chosen].check_mesh(mesh_shape(cfg, world))
-    STRATEGIES[chosen].check_matrix_optimizer(mesh_shape(cfg, world), cfg.optim)
     device_type = device or device_type_of(cfg)
     source = "--device-memory"
     if memory is None:

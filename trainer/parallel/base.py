@@ -11,7 +11,6 @@ import torch.nn as nn
 from trainer.errors import ConfigError
 from trainer.model.gpt import GPT
 from trainer.optim.build import ElementwiseRun, MatrixRun, parts, verdict
-from trainer.optim.registry import matrix_of
 from trainer.process.mesh_shape import MeshShape
 from trainer.process.runtime import Runtime
 
@@ -37,9 +36,6 @@ class Strategy:
     # gradients differ: only modes whose data-parallel shards can span the cp ranks (FSDP2) average them.
     context_parallel = False
     replicates_shards = False  # parallel.dp_replicate > 1: shards replicated across groups (HSDP)
-    # A whole-matrix optimizer (Muon) runs on tensor-parallel shards: they are made whole on an
-    # owner rank (trainer/parallel/muon_owners.py); without it Muon would step each shard alone.
-    gathers_matrix_shards = False
     # The mesh dimensions this mode's data parallelism runs over, kept in its DeviceMesh even at size 1.
     data_parallel_dims: tuple[str, ...] = ("dp_shard",)
 
@@ -111,15 +107,6 @@ class Strategy:
             raise ConfigError(
                 f"parallel.dp_replicate={shape.dp_replicate} replicates sharded groups, which parallel={cls.name} "
                 f"does not do; use parallel=hsdp parallel.dp_replicate={shape.dp_replicate}, or drop the key"
-            )
-
-    @classmethod
-    def check_matrix_optimizer(cls, shape: MeshShape, optim_cfg) -> None:
-        """Refuse a whole-matrix optimizer on tensor-parallel shards this mode cannot make whole."""
-        if shape.tp > 1 and not cls.gathers_matrix_shards and matrix_of(optim_cfg) is not None:
-            raise ConfigError(
-                f"optim={optim_cfg.name} with parallel.tp={shape.tp} runs under parallel=fsdp or hsdp (its matrices "
-                f"are made whole on an owner rank), not parallel={cls.name}; use parallel=fsdp, or optim=adamw"
             )
 
     @classmethod

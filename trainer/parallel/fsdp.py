@@ -9,12 +9,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
-from trainer.optim.build import parts
 from trainer.parallel.base import Strategy, row_shard_numel
-from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
+from trainer.parallel.muon_owners import OwnedMatrixState, OwnedMuon, busiest_owner_numel
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(OwnedMatrixState, Strategy):
     name = "fsdp"
     needs_process_group = True
     syncs_replicas = True
@@ -22,7 +21,6 @@ class FSDPStrategy(Strategy):
     shards_optimizer_state = True
     tensor_parallel = True
     context_parallel = True
-    gathers_matrix_shards = True
 
     @classmethod
     def optimizer_state_numels(cls, groups, world):
@@ -88,27 +86,3 @@ class FSDPStrategy(Strategy):
     # class's answer); a whole-matrix one needs each matrix whole, on its owner rank.
     def matrix_optimizer(self, run):
         return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=True)
-
-    # --- checkpoint state: the elementwise optimizer's through DCP (DTensor shards), Muon's whole by owner
-    @staticmethod
-    def _split(optimizer) -> tuple[torch.optim.Optimizer, OwnedMuon | None]:
-        found = parts(optimizer)
-        muon = next((p for p in found if isinstance(p, OwnedMuon)), None)
-        return next(p for p in found if p is not muon), muon
-
-    def optimizer_state_dict(self, model, optimizer):
-        elementwise, muon = self._split(optimizer)
-        state = super().optimizer_state_dict(model, elementwise)
-        return {**state, **muon.state_dict_by_name()} if muon else state
-
-    def optimizer_state_template(self, model, optimizer):
-        elementwise, muon = self._split(optimizer)
-        template = super().optimizer_state_template(model, elementwise)
-        return {**template, **muon.state_template()} if muon else template
-
-    def load_optimizer_state_dict(self, model, optimizer, state):
-        elementwise, muon = self._split(optimizer)
-        if muon:
-            muon.load_state_by_name(state)
-            state = {name: entry for name, entry in state.items() if name not in muon.names}
-        super().load_optimizer_state_dict(model, elementwise, state)

@@ -1,8 +1,16 @@
-"""parallel=none: one process, one device."""
+"""parallel=none: one process, one device; or, with parallel.tp > 1, one model split over the
+tensor-parallel ranks (world = tp), Muon's matrices made whole on owner ranks."""
 
 from trainer.parallel.base import Strategy
+from trainer.parallel.muon_owners import OwnedMatrixState, OwnedMuon
 
 
-class SingleStrategy(Strategy):
+class SingleStrategy(OwnedMatrixState, Strategy):
     name = "none"
     tensor_parallel = True
+
+    def matrix_optimizer(self, run):
+        if self.rt.shape.tp == 1:
+            return super().matrix_optimizer(run)
+        # each rank holds its tensor-parallel rows of every matrix: gathered whole to an owner
+        return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=True)

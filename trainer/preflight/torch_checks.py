@@ -70,7 +70,6 @@ def check_layout(cfg, world: int):
     strategy = strategy_class(cfg.parallel.mode)
     shape = mesh_shape(cfg, world)
     strategy.check_mesh(shape)
-    strategy.check_matrix_optimizer(shape, cfg.optim)
     # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
     strategy.check_world(shape.dp_world)
     return strategy, shape
