@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
 from trainer.parallel.base import Strategy, row_shard_numel
-from trainer.parallel.muon_owners import OwnedMatrixState, OwnedMuon, busiest_owner_numel
+from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
+from trainer.parallel.owned_state import OwnedMatrixState
 
 
 class FSDPStrategy(OwnedMatrixState, Strategy):

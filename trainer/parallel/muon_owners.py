@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainer.optim.build import MatrixRun, parts
+from trainer.optim.build import MatrixRun
 from trainer.parallel.base import load_indexed_state, row_range
 from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
 
@@ -69,6 +69,7 @@ class OwnedMuon:
     shards' decay are masked."""
 
     masks_on_device = True
+    saves_by_name = True  # its state goes to checkpoints by parameter name (trainer/parallel/owned_state.py)
 
     def __init__(self, run: MatrixRun, *, rank: int, world: int, sharded: bool, group=None):
         # `group`: the ranks that split the matrices (None: all; HSDP: one replica's shard group),
@@ -279,36 +280,3 @@ def _tp_degree(param) -> int:
         return 1
     names = param.device_mesh.mesh_dim_names or ()
     return param.device_mesh.size(names.index("tp")) if "tp" in names else 1
-
-
-class OwnedMatrixState:
-    """The checkpoint state of a mode whose Muon runs by owner (OwnedMuon) beside an elementwise
-    optimizer that DCP saves and loads as the base Strategy does: Muon's momenta whole under their
-    parameter names, written by their owners. A Strategy mixin (fsdp, hsdp; none with tensor
-    parallelism)."""
-
-    @staticmethod
-    def _split(optimizer) -> tuple[torch.optim.Optimizer, OwnedMuon | None]:
-        """(the rest of the optimizer, its OwnedMuon part or None)."""
-        found = parts(optimizer)
-        muon = next((p for p in found if isinstance(p, OwnedMuon)), None)
-        if muon is None:  # no Muon, or one that every rank steps whole (parallel=none at tp 1)
-            return optimizer, None
-        return next(p for p in found if p is not muon), muon
-
-    def optimizer_state_dict(self, model, optimizer):
-        elementwise, muon = self._split(optimizer)
-        state = super().optimizer_state_dict(model, elementwise)
-        return {**state, **muon.state_dict_by_name()} if muon else state
-
-    def optimizer_state_template(self, model, optimizer):
-        elementwise, muon = self._split(optimizer)
-        template = super().optimizer_state_template(model, elementwise)
-        return {**template, **muon.state_template()} if muon else template
-
-    def load_optimizer_state_dict(self, model, optimizer, state):
-        elementwise, muon = self._split(optimizer)
-        if muon:
-            muon.load_state_by_name(state)
-            state = {name: entry for name, entry in state.items() if name not in muon.names}
-        super().load_optimizer_state_dict(model, elementwise, state)

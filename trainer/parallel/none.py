@@ -2,7 +2,7 @@
 tensor-parallel ranks (world = tp), Muon's matrices made whole on owner ranks."""
 
 from trainer.parallel.base import Strategy
-from trainer.parallel.muon_owners import OwnedMatrixState, OwnedMuon
+from trainer.parallel.owned_state import OwnedMatrixState
 
 
 class SingleStrategy(OwnedMatrixState, Strategy):
@@ -12,5 +12,8 @@ class SingleStrategy(OwnedMatrixState, Strategy):
     def matrix_optimizer(self, run):
         if self.rt.shape.tp == 1:
             return super().matrix_optimizer(run)
+        # deferred: muon_owners imports DTensor (see base.tensor_parallel_plan), which a one-process run never needs
+        from trainer.parallel.muon_owners import OwnedMuon
+
         # each rank holds its tensor-parallel rows of every matrix: gathered whole to an owner
         return OwnedMuon(run, rank=self.rt.rank, world=self.rt.world, sharded=True)
