@@ -22,6 +22,8 @@ LAYOUTS = [
     ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),
     # FSDP shards over dp_shard x cp flattened into one dimension, beside TP
     ("fsdp_cp_tp", "llama_tiny", ["parallel=fsdp", "parallel.cp=2", "parallel.tp=2"]),
+    # the experts split by expert over ep 2 and sharded by rows over the other 2 dp_shard ranks
+    ("fsdp_ep", "qwen3_moe_tiny", ["parallel=fsdp", "parallel.ep=2"]),
 ]
 
 

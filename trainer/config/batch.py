@@ -46,8 +46,9 @@ def rank_factor(dp_world: int, world) -> str:
 
 def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
     """The run's mesh from parallel.dp_replicate, parallel.cp and parallel.tp: dp_shard takes the rest
-    of `world`, so their product must divide it. Context parallelism cuts each sequence into 2 x cp
-    equal chunks (trainer/parallel/context_parallel.py), so it must divide train.seq_len that way."""
+    of `world`, so their product must divide it; parallel.ep splits the experts over part of dp_shard.
+    Context parallelism cuts each sequence into 2 x cp equal chunks (trainer/parallel/context_parallel.py),
+    so it must divide train.seq_len that way."""
     p = cfg.parallel
     sizes = {"parallel.dp_replicate": p.dp_replicate, "parallel.cp": p.cp, "parallel.tp": p.tp}
     for key, size in sizes.items():
@@ -67,7 +68,23 @@ def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
             f"late per rank, for balanced causal attention), which train.seq_len={seq_len} is not a multiple "
             f"of; choose a train.seq_len divisible by {2 * p.cp}"
         )
-    return MeshShape(dp_replicate=p.dp_replicate, dp_shard=world // fixed, cp=p.cp, tp=p.tp)
+    dp_shard = world // fixed
+    ep = p.get("ep", 1)  # a saved config from before expert parallelism has no key
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"parallel.ep={ep} must be a whole number of ranks, 1 or more")
+    if ep > 1 and dp_shard % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} splits the experts over {ep} of the dp_shard ranks, but dp_shard = world / "
+            f"(dp_replicate x cp x tp) = {dp_shard} is not a multiple of {ep}; choose parallel.ep among the "
+            f"divisors of {dp_shard}, or a world that makes dp_shard a multiple of {ep}"
+        )
+    if ep > 1 and p.cp * p.tp > 1:
+        raise ConfigError(
+            f"parallel.ep={ep} with parallel.cp={p.cp} / parallel.tp={p.tp}: expert parallelism runs beside "
+            "FSDP's data-parallel ranks only (context- and tensor-parallel ranks share tokens, which the "
+            "experts' all-to-all would count twice); use parallel.cp=1 parallel.tp=1 with parallel.ep"
+        )
+    return MeshShape(dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=ep)
 
 
 def batch_plan(cfg: DictConfig, world: int) -> BatchPlan:

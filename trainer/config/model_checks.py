@@ -60,3 +60,22 @@ def check_model_size(m: DictConfig) -> None:
             f"{MAX_PARAMETERS:.0e} (each needs 16 bytes of weights, gradients and AdamW state: petabytes beyond any "
             "machine); choose a smaller model.n_embd, model.n_layer or model.mlp_hidden"
         )
+
+
+def check_expert_parallel(m: DictConfig, optimizer: str, ep: int) -> None:
+    """parallel.ep splits whole experts of a mixture-of-experts model over its ranks."""
+    if ep == 1:
+        return
+    experts = m.moe.num_experts if "moe" in m else 0
+    if not experts:
+        raise ConfigError(f"parallel.ep={ep} splits a mixture of experts' experts over {ep} ranks, but this model "
+                          "is dense (model.moe.num_experts=0); use a MoE model (e.g. model=qwen3_moe_tiny) or drop "
+                          "parallel.ep")
+    if experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide model.moe.num_experts={experts}: each expert-parallel "
+                          f"rank holds an equal number of whole experts; choose parallel.ep among the divisors of "
+                          f"{experts}")
+    if optimizer == "muon":
+        raise ConfigError(f"optim=muon with parallel.ep={ep}: Muon's owner ranks step whole matrices gathered over "
+                          "FSDP's ranks, which the experts' split over the ep ranks does not give; use optim=adamw "
+                          "(or lion) with parallel.ep, or parallel.ep=1")

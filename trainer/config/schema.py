@@ -203,6 +203,9 @@ class ParallelConfig:
     dp_replicate: int = 1
     cp: int = 1  # context-parallel degree: each sequence split over this many ranks
     tp: int = 1  # tensor-parallel degree: each layer's matrices split over this many ranks
+    # expert-parallel degree: a mixture of experts' experts split over this many dp_shard ranks
+    # (trainer/parallel/expert_parallel.py); it divides dp_shard and model.moe.num_experts
+    ep: int = 1
 
 
 @dataclass

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.config.batch import batch_plan, requested_world
 from trainer.config.dataset_names import HF_PATH_NEEDED, UNNAMED
-from trainer.config.model_checks import check_block, check_model_size, check_tensor_parallel
+from trainer.config.model_checks import check_block, check_expert_parallel, check_model_size, check_tensor_parallel
 from trainer.config.schema import (
     COMPILE_MODES,
     DTYPES,
@@ -245,6 +245,7 @@ def validate(cfg: DictConfig) -> None:
     check_profile_steps(t.profile.steps, t.max_steps)
     check_block(m)
     check_tensor_parallel(m, p.tp)
+    check_expert_parallel(m, o.name, p.get("ep", 1))
     check_model_size(m)
     check_dataset_name(cfg.data)
     if m.init_from == INIT_FROM_REQUIRED:

@@ -35,6 +35,9 @@ class Strategy:
     # Context parallelism gives each rank of a group other tokens of the same sequences, so their
     # gradients differ: only modes whose data-parallel shards can span the cp ranks (FSDP2) average them.
     context_parallel = False
+    # Expert parallelism shards the experts over data-parallel ranks, whose gradients for them arrive
+    # through the all-to-all: only modes that shard parameters as DTensors (FSDP2) hold such shards.
+    expert_parallel = False
     replicates_shards = False  # parallel.dp_replicate > 1: shards replicated across groups (HSDP)
     # The mesh dimensions this mode's data parallelism runs over, kept in its DeviceMesh even at size 1.
     data_parallel_dims: tuple[str, ...] = ("dp_shard",)
@@ -103,6 +106,11 @@ class Strategy:
                 f"runs under parallel=fsdp or hsdp (their shards span the cp ranks, which averages the gradients "
                 f"of each rank's tokens); use parallel=fsdp parallel.cp={shape.cp}"
             )
+        if shape.ep > 1 and not cls.expert_parallel:
+            raise ConfigError(
+                f"parallel={cls.name} cannot split experts over parallel.ep={shape.ep} ranks: expert parallelism "
+                f"shards the experts as FSDP2 shards its parameters; use parallel=fsdp parallel.ep={shape.ep}"
+            )
         if shape.dp_replicate > 1 and not cls.replicates_shards:
             raise ConfigError(
                 f"parallel.dp_replicate={shape.dp_replicate} replicates sharded groups, which parallel={cls.name} "
@@ -132,6 +140,8 @@ class Strategy:
             cp_mesh = self.device_mesh()["cp"]
             split = context_parallel_module().SequenceSplit
             model.sequence_split = split(cp_mesh.get_group(), cp_mesh.get_local_rank(), shape.cp)
+        if shape.ep > 1:
+            model = expert_parallel_module().split_experts(model, self.device_mesh()[EXPERT])
         return model
 
     def unwrap(self, model: nn.Module) -> GPT:
@@ -162,7 +172,7 @@ class Strategy:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global norm over all gradients and return that norm (before clipping)."""
-        if self.rt.shape.tp > 1:  # DTensors on the tp mesh (and FSDP's) beside whole parameters
+        if self.rt.shape.tp > 1 or self.rt.shape.ep > 1:  # DTensors on several meshes (tp's, ep's, FSDP's)
             return tensor_parallel_plan().clip_grads_over_meshes(model.parameters(), max_norm, self.rt.world)
         # max_norm=inf measures the norm without clipping (optim.grad_clip=0).
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
@@ -190,20 +200,25 @@ class Strategy:
         with the cp ranks folded into dp_shard (one flattened dimension, dp_shard_cp), since their
         gradients are averaged like data-parallel ranks'. Built once."""
         mesh = self.device_mesh()
-        if self.rt.shape.cp == 1:
+        if self.rt.shape.cp == 1 and self.rt.shape.ep == 1:
             return mesh[self.data_parallel_dims]
+        if self._data_parallel_mesh is None and self.rt.shape.ep > 1:
+            # dp_shard is the ep ranks inside their dp_shard / ep groups (device_mesh), flattened back
+            flat = mesh[FLATTENED["dp_shard"]]._flatten("dp_shard")
+            replicas = self.replicates_shards  # HSDP: dp_replicate outside
+            self._data_parallel_mesh = _concatenated(mesh, ["dp_replicate"], flat) if replicas else flat
         if self._data_parallel_mesh is None:
             # Kept, not sliced from the root again: torch 2.13 deprecates slicing a flattened dimension.
             flat = mesh[FLATTENED[SHARD_CP]]._flatten(SHARD_CP)
             others = [dim for dim in self.data_parallel_dims if dim != "dp_shard"]  # HSDP's dp_replicate
-            concatenate = getattr(type(mesh), "_concatenate", None)  # torch >= 2.13; before, slicing was the way
-            if not others:
-                self._data_parallel_mesh = flat
-            elif concatenate is not None:
-                self._data_parallel_mesh = concatenate([*(mesh[dim] for dim in others), flat])
-            else:
-                self._data_parallel_mesh = mesh[(*others, SHARD_CP)]
+            self._data_parallel_mesh = _concatenated(mesh, others, flat) if others else flat
         return self._data_parallel_mesh
+
+    def expert_data_parallel_mesh(self):
+        """The mesh FSDP shards (and HSDP replicates) the experts over under expert parallelism: the
+        data-parallel dimensions less the ep ranks, which split the experts among themselves."""
+        mesh = self.device_mesh()
+        return mesh[(*(dim for dim in self.data_parallel_dims if dim != "dp_shard"), EXPERT_SHARD)]
 
     def device_mesh(self):
         """The run's torch DeviceMesh, named by trainer/process/mesh_shape.py's dimensions: those above
@@ -212,8 +227,13 @@ class Strategy:
             # Deferred: parallel=none and ddp never build a mesh, and DeviceMesh's import is slow.
             from torch.distributed.device_mesh import init_device_mesh
 
-            sizes = {name: size for name, size in self.rt.shape.sizes().items()
+            shape = self.rt.shape
+            sizes = {name: size for name, size in shape.sizes().items()
                      if size > 1 or name in self.data_parallel_dims}
+            if shape.ep > 1:  # dp_shard as its two parts (flattened back by data_parallel_mesh)
+                sizes = {part: size for name, size in sizes.items()
+                         for part, size in (((EXPERT_SHARD, size // shape.ep), (EXPERT, shape.ep))
+                                            if name == "dp_shard" else ((name, size),))}
             self._mesh = init_device_mesh(self.rt.device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
         return self._mesh
 
@@ -260,7 +280,18 @@ class Strategy:
 # A mesh dimension made of neighbouring dimensions of the run's mesh, row-major (trainer/plan/shards.py
 # reads a shard's coordinates along it).
 SHARD_CP = "dp_shard_cp"
-FLATTENED = {SHARD_CP: ("dp_shard", "cp")}
+# Expert parallelism's parts of dp_shard (trainer/parallel/expert_parallel.py): dp_shard is then made
+# of them, the ep ranks innermost.
+EXPERT_SHARD, EXPERT = "dp_shard_mod_ep", "ep"
+FLATTENED = {SHARD_CP: ("dp_shard", "cp"), "dp_shard": (EXPERT_SHARD, EXPERT)}
+
+
+def _concatenated(mesh, dims: list[str], flat):
+    """The mesh of the root's `dims` followed by the flattened dimension `flat`."""
+    concatenate = getattr(type(mesh), "_concatenate", None)  # torch >= 2.13; before, slicing was the way
+    if concatenate is not None:
+        return concatenate([*(mesh[dim] for dim in dims), flat])
+    return mesh[(*dims, flat.mesh_dim_names[0])]
 
 
 def dcp_state():
@@ -286,6 +317,14 @@ def context_parallel_module():
     for attention (torch.nn.attention.bias) imports torch._dynamo, about a second that a run at cp 1
     never needs."""
     from trainer.parallel import context_parallel as module  # deferred: heavy (see above)
+
+    return module
+
+
+def expert_parallel_module():
+    """trainer.parallel.expert_parallel, imported where a run splits experts: it imports DTensor,
+    which a run at ep 1 may never need."""
+    from trainer.parallel import expert_parallel as module  # deferred: heavy (see above)
 
     return module
 

@@ -6,10 +6,10 @@ import contextlib
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trainer.errors import ConfigError
-from trainer.parallel.base import Strategy, row_shard_numel
+from trainer.parallel.base import Strategy, expert_parallel_module, row_shard_numel
 from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
 from trainer.parallel.owned_state import OwnedMatrixState
 
@@ -22,6 +22,7 @@ class FSDPStrategy(OwnedMatrixState, Strategy):
     shards_optimizer_state = True
     tensor_parallel = True
     context_parallel = True
+    expert_parallel = True
 
     @classmethod
     def optimizer_state_numels(cls, groups, world):
@@ -63,11 +64,28 @@ class FSDPStrategy(OwnedMatrixState, Strategy):
         # A 1-D data-parallel mesh shards (FSDP); a 2-D one replicates the shards (HSDP).
         mesh = self.data_parallel_mesh()
         kwargs = dict(mesh=mesh, mp_policy=self.mp_policy)
+        if self.rt.shape.ep > 1:
+            self._shard_experts(model)
         for block in model.transformer.h:
             fully_shard(block, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
         # The tied wte / lm_head weight lives in the root unit, so it is sharded once.
         fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
         return model
+
+    def _shard_experts(self, model):
+        """Each MoE layer's experts, already split by expert over the ep ranks (split_layers), are an
+        FSDP unit of their own over the other data-parallel ranks: sharded along their rows (dimension
+        1: dimension 0 is the ep split's), their gradients averaged over every data-parallel rank
+        (trainer/parallel/expert_parallel.py says why the divide factor is the whole dp size)."""
+        mesh = self.expert_data_parallel_mesh()
+        for layer in expert_parallel_module().moe_layers(model):
+            fully_shard(layer.experts, mesh=mesh, mp_policy=self.mp_policy,
+                        reshard_after_forward=self.cfg.reshard_after_forward,
+                        shard_placement_fn=lambda param: Shard(1))
+            layer.experts.set_gradient_divide_factor(float(self.rt.dp_world))
+            # A custom factor is NCCL's PREMUL_SUM, which gloo lacks: scale before and after a sum. Not on
+            # a one-rank mesh, where torch 2.13 then skips the scaling (measured: gradients ep x too large).
+            layer.experts.set_force_sum_reduction_for_comms(mesh.size() > 1)
 
     def micro_step(self, model, is_last):
         model.set_requires_gradient_sync(is_last)

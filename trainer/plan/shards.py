@@ -114,7 +114,7 @@ def _rank_numels(param: torch.Tensor, root, cache: dict) -> tuple[int, ...]:
     key = (tuple(param.shape), placements, tuple(mesh.shape), names)
     if key not in cache:
         root_names = root.mesh_dim_names
-        parts = [FLATTENED.get(name, (name,)) for name in names]
+        parts = [(name,) if name in root_names else FLATTENED.get(name, (name,)) for name in names]
         if any(part not in root_names for part in itertools.chain(*parts)):
             raise RuntimeError(f"a parameter's mesh dimensions {names} are not the run's {root_names}")
         numels = [0] * world

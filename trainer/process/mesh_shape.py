@@ -20,6 +20,10 @@ class MeshShape:
     dp_shard: int = 1  # data-parallel ranks inside one replica (the rest of world)
     cp: int = 1  # context parallel: one sequence split over these ranks
     tp: int = 1  # tensor parallel: one layer's matrices split over these ranks
+    # Expert parallel: a mixture of experts' experts split over this many of the dp_shard ranks, which
+    # send each other their tokens (all-to-all). Not a dimension of its own: it divides dp_shard, whose
+    # ranks still read different batches, so it leaves world and the data arithmetic alone.
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -48,6 +52,8 @@ class MeshShape:
         return {name: getattr(self, name) for name in DIMENSIONS}
 
     def describe(self) -> str:
-        """'dp_replicate 2 x dp_shard 2 x tp 2' (dimensions of size 1 left out; 'one rank' if all are)."""
+        """'dp_replicate 2 x dp_shard 2 x tp 2' (dimensions of size 1 left out; 'one rank' if all are),
+        and ', ep 2' when experts are split over part of dp_shard."""
         parts = [f"{name} {size}" for name, size in self.sizes().items() if size > 1]
-        return " x ".join(parts) or "one rank"
+        experts = f", ep {self.ep}" if self.ep > 1 else ""
+        return (" x ".join(parts) or "one rank") + experts
