@@ -2,7 +2,8 @@
 all-to-all (trainer/parallel/expert_parallel.py).
 
 On test_parity's 256-token reference steps with model=qwen3_moe_tiny (8 experts, top 2): ep 2 at
-world 2, FSDP 2 x ep 2 and HSDP 2 x ep 2 at world 4 track the one-process losses within 1e-5
+world 2, FSDP 2 x ep 2, HSDP 2 x ep 2 and ep 2 x tp 2 at world 4, and a MoE model under tp 2
+alone, track the one-process losses within 1e-5
 (dropless routing: the split changes only the order of sums). The ep 2 run saves checkpoints: killed
 with -9 past one, the same command continues it bitwise, and its checkpoint continues under
 parallel=none and fsdp without ep within 1e-5. Sizes no run can lay out are one line.
@@ -35,6 +36,9 @@ CASES = {
     "fsdp2_ep2": ["parallel=fsdp", "parallel.ep=2", "world=4", "train.micro_batch_size=2"],
     "hsdp2_ep2": ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.ep=2", "world=4",
                   "train.micro_batch_size=2"],
+    # the attention split over tp 2, the experts over ep 2 (whole on each tp rank)
+    "ep2_tp2": ["parallel=fsdp", "parallel.ep=2", "parallel.tp=2", "world=4", "train.micro_batch_size=2"],
+    "tp2": ["parallel=none", "parallel.tp=2", "world=2", "train.micro_batch_size=2"],
 }
 
 
@@ -59,6 +63,8 @@ def test_arrived_rows_are_regrouped_by_expert_sources_in_order():
     "ep2",
     pytest.param("fsdp2_ep2", marks=pytest.mark.slow),
     pytest.param("hsdp2_ep2", marks=pytest.mark.slow),
+    pytest.param("ep2_tp2", marks=pytest.mark.slow),
+    pytest.param("tp2", marks=pytest.mark.slow),
 ])
 def test_losses_match_one_process(case, runs):
     assert_matches_one_process(train_losses(runs("reference")), train_losses(runs(case)), REFERENCE_STEPS, case)
@@ -93,7 +99,7 @@ BAD_SPLITS = {
                                     "is not a multiple of 4"),
     "ep on a dense model": (["model=llama_tiny", "parallel=fsdp", "parallel.ep=2", "world=2"], "this model is dense"),
     "ep with muon": ([MOE, "optim=muon", "parallel=fsdp", "parallel.ep=2", "world=2"], "use optim=adamw"),
-    "ep with tp": ([MOE, "parallel=fsdp", "parallel.ep=2", "parallel.tp=2", "world=4"], "use parallel.cp=1"),
+    "ep with cp": ([MOE, "parallel=fsdp", "parallel.ep=2", "parallel.cp=2", "world=4"], "use parallel.cp=1"),
 }
 
 

@@ -78,11 +78,10 @@ def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
             f"(dp_replicate x cp x tp) = {dp_shard} is not a multiple of {ep}; choose parallel.ep among the "
             f"divisors of {dp_shard}, or a world that makes dp_shard a multiple of {ep}"
         )
-    if ep > 1 and p.cp * p.tp > 1:
+    if ep > 1 and p.cp > 1:
         raise ConfigError(
-            f"parallel.ep={ep} with parallel.cp={p.cp} / parallel.tp={p.tp}: expert parallelism runs beside "
-            "FSDP's data-parallel ranks only (context- and tensor-parallel ranks share tokens, which the "
-            "experts' all-to-all would count twice); use parallel.cp=1 parallel.tp=1 with parallel.ep"
+            f"parallel.ep={ep} with parallel.cp={p.cp}: the experts' gradients would have to be averaged over "
+            "the cp ranks too, which dtrain does not do yet; use parallel.cp=1 with parallel.ep (or parallel.ep=1)"
         )
     return MeshShape(dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=ep)
 

@@ -35,7 +35,8 @@ def fused_parts(model: GPT) -> dict[str, tuple[int, ...]]:
     parts = {}
     for i, block in enumerate(model.transformer.h):
         prefix = f"transformer.h.{i}."
-        for module_name, module in (("attn.c_attn", block.attn.c_attn), ("mlp.c_fc", block.mlp.c_fc)):
+        fused = [("attn.c_attn", block.attn.c_attn)] + ([("mlp.c_fc", block.mlp.c_fc)] if _dense(block) else [])
+        for module_name, module in fused:
             widths = model.matrix_parts(f"{prefix}{module_name}.weight", module.weight.shape[0])
             if len(widths) < 2:
                 continue
@@ -65,10 +66,10 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
         for name, param in model.named_parameters():
             if name in parts:
                 param.data = group_rows(param.data, parts[name], tp)
-    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    attention = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel()}
+    mlp = {"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
     for block in model.transformer.h:
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, {**attention, **(mlp if _dense(block) else {})})
         attn = block.attn
         # The attention runs on the local shard's heads: n_head / tp queries, n_kv_head / tp keys and values.
         attn.n_head //= tp
@@ -81,6 +82,13 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
     model.tensor_parallel_parts = parts  # what the state-dict conversions regroup, and how
     model.tensor_parallel_degree = tp
     return model
+
+
+def _dense(block) -> bool:
+    """A block with a dense MLP. A mixture of experts' layer (trainer/model/moe.py) stays whole on every
+    tensor-parallel rank: its input, the attention's all-reduced output, is the same on all of them,
+    so are its gradients, and expert parallelism (parallel.ep) is what splits its experts."""
+    return hasattr(block.mlp, "c_fc")
 
 
 def _regrouped(tensor: torch.Tensor, widths: tuple[int, ...], tp: int, forward: bool) -> torch.Tensor:
