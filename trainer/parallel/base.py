@@ -191,7 +191,7 @@ class Strategy:
 
     def describe(self) -> str:
         shape = self.rt.shape
-        if shape.model_parallel == 1 and shape.dp_replicate == 1:
+        if shape.model_parallel == 1 and shape.dp_replicate == 1 and shape.ep == 1:
             return self.name
         return f"{self.name} ({shape.describe()})"
 
