@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
-from trainer.config.schema import MoEConfig
+from trainer.config.model_checks import check_block
+from trainer.config.schema import ModelConfig, MoEConfig
+from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.model.moe import GroupedExperts, MoEFeedForward
@@ -128,3 +131,19 @@ def test_moe_every_and_the_aux_loss_in_training_only():
     _, eval_loss = model(idx, idx)
     torch.testing.assert_close(train_loss, eval_loss + 0.5 * aux)
     assert model.active_params() < model.num_params()
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"top_k": 9}, "model.moe.top_k=9 must be between 1"),
+    ({"top_k": 0}, "model.moe.top_k=0 must be between 1"),
+    ({"every": 0}, "model.moe.every=0"),
+    ({"num_shared_experts": -1}, "model.moe.num_shared_experts=-1 is negative"),
+    ({"mlp": "gelu"}, "but model.mlp=gelu"),
+])
+def test_bad_moe_keys_are_one_config_error(override, words):
+    m = OmegaConf.structured(ModelConfig(n_head=4, mlp="swiglu", vocab_size=97))
+    m.moe.num_experts = 8
+    for key, value in override.items():
+        (m if key == "mlp" else m.moe)[key] = value
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        check_block(m)
