@@ -322,15 +322,22 @@ def checkpoint_bytes(cfg) -> int:
 
     def state(n_layer: int) -> int:
         # Sized as one process holding it all: no mesh dimension splits it.
-        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer}, "parallel": {"tp": 1, "cp": 1, "dp_replicate": 1}})
+        sized = OmegaConf.merge(cfg, {"model": {"n_layer": n_layer},
+                                      "parallel": {"tp": 1, "cp": 1, "dp_replicate": 1, "ep": 1}})
         one_rank = estimate(sized, "none", 1, 1, "cpu")
         return one_rank.params + one_rank.optim
 
     depth = cfg.model.n_layer
-    if depth <= 2:
+    # The blocks repeat with a period: 1, or model.moe.every (every such layer's MLP is a mixture of
+    # experts, the others dense; trainer/model/moe.py is_moe_layer).
+    moe = cfg.model.get("moe")
+    period = moe.every if moe is not None and moe.num_experts > 0 else 1
+    if depth <= 2 * period:
         return state(depth)
-    first, second = state(1), state(2)
-    return first + (depth - 1) * (second - first)
+    one, two = state(period), state(2 * period)
+    periods, rest = divmod(depth, period)
+    # the rest's layers are a period's first ones: dense
+    return one + (periods - 1) * (two - one) + (state(period + rest) - one if rest else 0)
 
 
 def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int, tp: int = 1) -> int:
