@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from trainer.model.gpt import GPT
 
@@ -70,6 +70,13 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
     mlp = {"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
     for block in model.transformer.h:
         parallelize_module(block, tp_mesh, {**attention, **(mlp if _dense(block) else {})})
+        if block.attn.qk_norm:
+            # QK-norm's weights act on every head, but a rank sees only its own heads: as DTensors
+            # replicated over the group, with the input sharded by head (dimension 2 of (B, T, heads,
+            # head_dim)), their gradients are summed over the group's heads (a local-only weight
+            # would train on its rank's heads alone, and the ranks' copies drift apart).
+            by_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+            parallelize_module(block.attn, tp_mesh, {"q_norm": by_head, "k_norm": by_head})
         attn = block.attn
         # The attention runs on the local shard's heads: n_head / tp queries, n_kv_head / tp keys and values.
         attn.n_head //= tp
