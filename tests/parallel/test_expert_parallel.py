@@ -19,7 +19,6 @@ from helpers.errors import error_line
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import (
     ONE_PROCESS,
-    PLAIN_LAYOUTS,
     REFERENCE_BATCH,
     REFERENCE_STEPS,
     assert_matches_one_process,
@@ -79,8 +78,17 @@ def test_kill_9_under_ep_then_the_same_command_is_bitwise(data_dir, runs, tmp_pa
     assert_continues_bitwise(args, run_dir, reference)
 
 
+# Layouts without ep reading the same micro batches of 2 sequences: the load-balancing loss is
+# computed per micro batch (as Hugging Face's per forward), so another micro batch size is another
+# objective (one process at micro batch 4 drifts 2.6e-4 from micro batch 2 in 16 steps: measured).
+SAME_MICRO_BATCHES = {
+    "fsdp_w2": ["parallel=fsdp", "world=2", "train.micro_batch_size=2"],
+    "none": ONE_PROCESS,
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(PLAIN_LAYOUTS.values()), ids=list(PLAIN_LAYOUTS))
+@pytest.mark.parametrize("layout", list(SAME_MICRO_BATCHES.values()), ids=list(SAME_MICRO_BATCHES))
 def test_an_ep_checkpoint_continues_without_expert_parallelism(data_dir, runs, tmp_path, layout):
     """parallel.ep is a layout key: resumed at step 8 with the same global batch, the rest of the run
     tracks the uninterrupted ep 2 run within 1e-5."""

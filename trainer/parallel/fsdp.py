@@ -83,9 +83,11 @@ class FSDPStrategy(OwnedMatrixState, Strategy):
                         reshard_after_forward=self.cfg.reshard_after_forward,
                         shard_placement_fn=lambda param: Shard(1))
             layer.experts.set_gradient_divide_factor(float(self.rt.dp_world))
-            # A custom factor is NCCL's PREMUL_SUM, which gloo lacks: scale before and after a sum. Not on
-            # a one-rank mesh, where torch 2.13 then skips the scaling (measured: gradients ep x too large).
-            layer.experts.set_force_sum_reduction_for_comms(mesh.size() > 1)
+            # A custom factor is NCCL's PREMUL_SUM, which gloo lacks: scale before and after a sum. Only
+            # where the experts are sharded (dp_shard / ep > 1): with one shard, torch 2.13 skips the
+            # reduce-scatter and, forced, the scaling with it (measured, gradients ep x too large,
+            # with and without HSDP's replicas); unforced, it scales them itself there.
+            layer.experts.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
 
     def micro_step(self, model, is_last):
         model.set_requires_gradient_sync(is_last)
