@@ -290,7 +290,11 @@ def check_init_source(spec: str, model_cfg) -> InitSource:
     source = find_init_source(spec)
     model = {**effective(model_cfg), "bias": model_cfg.get("bias", DEFAULTS["bias"])}
     keys = _compared(source)
-    differ = [k for k in keys if source.shape.get(k) != model[k]]
+    # a source's None is "not in this model" (model.moe's keys without experts, mlp_hidden without a
+    # dense layer): no value to set; the keys that say so (moe.num_experts, moe.every) differ instead
+    optional = (*MOE_KEYS, "mlp_hidden")
+    differ = [k for k in keys if source.shape.get(k) != model[k]
+              and not (k in optional and source.shape.get(k) is None)]
     if differ:
         group = _matching_group(source.shape, keys)
         fix = f"choose model={group}" if group and group != model_cfg.name else "set " + " ".join(
