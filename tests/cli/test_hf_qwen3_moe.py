@@ -66,14 +66,17 @@ def tokens(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("every, extra", [(1, []), (2, ["model.moe.norm_topk_prob=false"]),
-                                          (1, ["model.tie_embeddings=true", "model.pad_vocab_multiple=64"])],
-                         ids=["all_moe", "dense_layer0_unnormalized", "tied_pad64"])
+                                          (1, ["model.tie_embeddings=true", "model.pad_vocab_multiple=64"]),
+                                          (1, ["model.moe.expert_hidden=null"])],  # 192 / top_k 2
+                         ids=["all_moe", "dense_layer0_unnormalized", "tied_pad64", "expert_hidden_null"])
 def test_the_mapping_gives_transformers_logits(every, extra, tmp_path):
     model = perturbed(build_model(compose(moe_overrides(every, *extra)).model))
     safetensors_torch.save_file(to_hf_state_dict(model), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     config = hf_config(model)
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert (config["model_type"], config["decoder_sparse_step"], config["num_experts"]) == ("qwen3_moe", every, 4)
+    width = 96 if "model.moe.expert_hidden=null" in extra else 32
+    assert config["moe_intermediate_size"] == model.config.expert_hidden == width
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reference).__name__ == "Qwen3MoeForCausalLM"
     assert reference.config.norm_topk_prob == ("model.moe.norm_topk_prob=false" not in extra)
@@ -172,7 +175,8 @@ def test_round_trip_through_a_run_keeps_weights_and_logits(data_dir, tmp_path):
     it (1e-8 covers Adam's unit steps and fp32 rounding) and the logits within 1e-5."""
     folder = hf_moe_folder(tmp_path / "hf", decoder_sparse_step=2)
     run_dir, out = tmp_path / "run", tmp_path / "export"
-    args = tiny_args(data_dir, run_dir, "train.max_steps=1", "optim.lr=1e-9", f"model.init_from={folder}")
+    args = tiny_args(data_dir, run_dir, "train.max_steps=1", "optim.lr=1e-9", "optim.min_lr=0",
+                     f"model.init_from={folder}")
     args[args.index("model=tiny")] = "model=llama_tiny"
     run_dtrain([*args, *moe_overrides(2)[1:]], check=True)
     run_dtrain(["export", str(run_dir), "--out", str(out)], check=True)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from trainer.config.shape import mlp_width
+
 FAMILY = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 # model.moe's keys that shape the model (a source must share them with the model group);
@@ -50,6 +52,14 @@ def num_experts(m) -> int:
     return moe_keys(m).get("num_experts") or 0
 
 
+def expert_hidden(m) -> int:
+    """Each expert's width as the model builds it (GPTConfig.expert_hidden): model.moe.expert_hidden,
+    or the dense MLP's width / top_k."""
+    moe = moe_keys(m)
+    dense = mlp_width(m["n_embd"], m["mlp"], m["mlp_hidden"], m.get("mlp_multiple_of", 256))
+    return moe.get("expert_hidden") or max(1, dense // moe["top_k"])
+
+
 def moe_layers(n_layer: int, every: int) -> list[int]:
     """The layers (0-based) whose MLP is the MoE block: every `every`-th, as Qwen3's decoder_sparse_step."""
     return [i for i in range(n_layer) if (i + 1) % every == 0]
@@ -74,7 +84,7 @@ def config_keys(m) -> dict:
         "architectures": [ARCHITECTURE], "model_type": FAMILY,
         # transformers 5 writes num_local_experts (an alias), 4.x reads only num_experts: Qwen's own name
         "num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
-        "moe_intermediate_size": moe["expert_hidden"], "decoder_sparse_step": moe["every"], "mlp_only_layers": [],
+        "moe_intermediate_size": expert_hidden(m), "decoder_sparse_step": moe["every"], "mlp_only_layers": [],
         "norm_topk_prob": bool(moe["norm_topk_prob"]), "router_aux_loss_coef": moe.get("aux_loss_coef", 0.0),
         "output_router_logits": False,
     }
@@ -104,7 +114,7 @@ def layer_parts(ours: str, hf: str, s, e: int) -> dict[str, list[tuple[str, list
     lists them: each of ours is its HF tensors stacked along dim 0 (an expert tensor's first two
     dims merged)."""
     moe = moe_keys(s)
-    hidden, experts = moe["expert_hidden"], range(moe["num_experts"])
+    hidden, experts = expert_hidden(s), range(moe["num_experts"])
     mlp = hf + "mlp."
     return {
         ours + "mlp.router.weight": [(mlp + "gate.weight", [moe["num_experts"], e])],

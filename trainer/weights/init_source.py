@@ -79,6 +79,8 @@ def effective(m) -> dict:
     experts = moe.get("num_experts") or 0
     out.update({f"moe.{k}": moe.get(k) if experts else None for k in qwen3_moe.SHAPE_KEYS})
     out["moe.num_experts"] = experts
+    if experts:  # null: the dense width / top_k, resolved as the model builds it
+        out["moe.expert_hidden"] = qwen3_moe.expert_hidden({**out, "moe": moe})
     if experts and len(qwen3_moe.moe_layers(out["n_layer"], moe["every"])) == out["n_layer"]:
         out["mlp_hidden"] = None  # every layer's MLP is the MoE block: no dense width to compare
     return out
