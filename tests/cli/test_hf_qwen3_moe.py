@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import loaded_model, perturbed
-from helpers.dtrain import run_dtrain, tiny_args
+from helpers.dtrain import dtrain_env, run_dtrain, tiny_args
 from helpers.errors import one_line_error
 
 from trainer.config.compose import compose
@@ -207,3 +207,20 @@ def test_export_of_shared_experts_is_one_line_and_writes_nothing(data_dir, tmp_p
 def test_export_family_is_qwen3_moe_only_with_experts():
     assert export_family({**compose(moe_overrides(2)).model}) == "qwen3_moe"
     assert export_family({**compose(["model=llama_tiny", "model.qk_norm=true"]).model}) == "qwen3"
+
+
+@pytest.mark.slow
+def test_fsdp_world2_starts_from_the_moe_folder(data_dir, tmp_path):
+    """A real `dtrain train parallel=fsdp world=2` from a Qwen3MoeForCausalLM folder, each rank
+    reading only its experts of the expert tensors' shards: the step-0 weights give transformers'
+    logits (the step is poisoned and skipped: the product's fault hook)."""
+    folder = hf_moe_folder(tmp_path / "hf", decoder_sparse_step=2)
+    run_dir = tmp_path / "run"
+    args = tiny_args(data_dir, run_dir, "parallel=fsdp", "world=2", "train.max_steps=1", "train.on_nonfinite=skip",
+                     f"model.init_from={folder}")
+    args[args.index("model=tiny")] = "model=llama_tiny"
+    proc = run_dtrain([*args, *moe_overrides(2)[1:]], env={**dtrain_env(), "DTRAIN_INJECT_NONFINITE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, _ = model_from_run(run_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert max_diff(model.eval(), reference, tokens(6)) < 1e-5
