@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.checkpoints import loaded_model, make_hf_folder
+from helpers.checkpoints import loaded_model, make_hf_folder, perturbed
 from helpers.dtrain import dtrain_env, read_metrics, run_dtrain, tiny_args
 
 from trainer.config.compose import compose
@@ -41,16 +41,6 @@ def llama_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     args = tiny_args(data_dir, run_dir, *extra)
     args[args.index("model=tiny")] = "model=llama_tiny"
     return args
-
-
-def perturbed(model):
-    """Norm weights and biases away from their 1 / 0 init, so a mix-up between them shows."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 def hf_llama_folder(folder: Path, family: str = "llama", **overrides) -> Path:

@@ -138,6 +138,16 @@ def assert_finite_checkpoints(run_dir: Path) -> None:
 VOCAB = 50257
 
 
+def perturbed(model):
+    """Norm weights and biases away from their 1 / 0 init, so a mix-up between them shows."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
 def make_hf_folder(folder: Path, seed: int = 0, zero_biases: bool = False) -> Path:
     """A GPT2LMHeadModel with random weights (biases and LayerNorms too), saved by save_pretrained."""
     transformers = pytest.importorskip("transformers")

@@ -9,8 +9,10 @@ did whatever became of the run's tokenizer folder since (`--tokenizer DIR` names
 saved before checkpoints kept a copy). A
 GPT-2-shaped model becomes a GPT2LMHeadModel (`transformer.h.0.attn.c_attn.weight` ...), a
 Llama-shaped one (rmsnorm, rope, swiglu) a LlamaForCausalLM (`model.layers.0.self_attn.q_proj.weight`
-...) or, with model.qk_norm, a Qwen3ForCausalLM; any other block is one error line, before
-anything is written:
+...) or, with model.qk_norm, a Qwen3ForCausalLM, and a mixture of experts (model.moe.num_experts > 0)
+a Qwen3MoeForCausalLM (its experts one matrix each, `model.layers.1.mlp.experts.0.gate_proj.weight`
+..., as the Hub's Qwen3-MoE files and save_pretrained hold them); any other block (shared
+experts, MoE without QK-norm...) is one error line, before anything is written:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
     model = AutoModelForCausalLM.from_pretrained("OUT_DIR")
@@ -18,9 +20,10 @@ anything is written:
     pipeline("text-generation", model="OUT_DIR")
 
 Names and layouts go through trainer/huggingface/ (mapping.py and llama.py), the mapping
-`model.init_from` reads with: GPT-2's Conv1D weights transposed, Llama's q/k/v and gate/up split
-out of our fused matrices, padded vocabulary rows dropped, a tied lm_head not stored
-(from_pretrained ties it, as save_pretrained does). Needs the optional
+`model.init_from` reads with (qwen3_moe.py for the experts): GPT-2's Conv1D weights transposed,
+Llama's q/k/v and gate/up split out of our fused matrices, each expert's gate/up/down out of our
+stacked ones, padded vocabulary rows dropped, a tied lm_head not stored (from_pretrained ties it,
+as save_pretrained does). Needs the optional
 `safetensors` package (`pip install 'dtrain[export]'`).
 """
 

@@ -1,4 +1,5 @@
-"""Hugging Face Llama (and Qwen3: Llama with QK-norm) names and config.json <-> ours: the mapping
+"""Hugging Face Llama (and Qwen3: Llama with QK-norm; Qwen3-MoE: Qwen3 with MoE layers, whose
+additions are qwen3_moe.py's) names and config.json <-> ours: the mapping
 `dtrain export` writes Llama-shaped models with and `model.init_from` reads them with, beside
 GPT-2's (mapping.py, which applies this table to tensors). Torch-free: a folder is checked with it
 before anything runs.
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 from trainer.config.shape import mlp_width
 from trainer.errors import CheckpointError, ConfigError
+from trainer.huggingface import qwen3_moe
 from trainer.tokenizers.gpt2 import EOT
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-LLAMA_TYPES = ("llama", "qwen3")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 qwen3_moe.FAMILY: qwen3_moe.ARCHITECTURE}
+LLAMA_TYPES = ("llama", "qwen3", qwen3_moe.FAMILY)
 PREFIX = "model."
 EMBED = "model.embed_tokens.weight"
 # our block options that make each family (the keys not named here are free: widths, heads, eps, theta)
@@ -40,8 +43,15 @@ def _hidden(m) -> int:
 
 def export_family(m) -> str:
     """The transformers model_type that computes the same function as our model config `m`:
-    "gpt2", "llama" or "qwen3"; otherwise one ConfigError naming what the Hub formats lack."""
+    "gpt2", "llama", "qwen3" or "qwen3_moe"; otherwise one ConfigError naming what the Hub formats lack."""
     who = f"model={m['name']}" if m.get("name") else "this model"
+    if qwen3_moe.num_experts(m):
+        gaps = [f"model.{k}={m[k]} (Qwen3-MoE's is {v})" for k, v in LLAMA_BLOCK.items() if m[k] != v]
+        gaps += qwen3_moe.export_gaps(m)
+        if gaps:
+            raise ConfigError(f"{who} is a mixture of experts, and Qwen3-MoE (the Hugging Face format dtrain "
+                              f"exports one to) lacks {', '.join(gaps)}; train without them to export it")
+        return qwen3_moe.FAMILY
     gpt2_gaps = [f"model.{k}={m[k]}" for k, v in GPT2_BLOCK.items() if m[k] != v]
     if _kv_heads(m) != m["n_head"]:
         gpt2_gaps.append(f"model.n_kv_head={m['n_kv_head']}")
@@ -66,7 +76,8 @@ def export_family(m) -> str:
 
 
 def llama_config(m, family: str, dtype: str, eot: int = EOT) -> dict:
-    """config.json of the transformers LlamaForCausalLM / Qwen3ForCausalLM equal to model config `m`."""
+    """config.json of the transformers LlamaForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM
+    equal to model config `m`."""
     config = {
         "architectures": [ARCHITECTURES[family]],
         "model_type": family,
@@ -96,6 +107,8 @@ def llama_config(m, family: str, dtype: str, eot: int = EOT) -> dict:
         config.update(mlp_bias=bool(m["bias"]), pretraining_tp=1)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=m["n_layer"])
+    if family == qwen3_moe.FAMILY:
+        config.update(qwen3_moe.config_keys(m))
     return config
 
 
@@ -116,28 +129,34 @@ def llama_shape(cfg: dict, label: str) -> dict:
     if family == "llama" and bool(cfg.get("mlp_bias", False)) != attention_bias:
         unsupported.append(
             f"attention_bias={attention_bias} with mlp_bias={cfg.get('mlp_bias')} (model.bias sets both)")
-    if family == "qwen3" and attention_bias:
+    if family != "llama" and attention_bias:
         unsupported.append("attention_bias=true without MLP biases")
-    if family == "qwen3" and cfg.get("use_sliding_window"):
+    if family != "llama" and cfg.get("use_sliding_window"):
         unsupported.append("use_sliding_window=true")
+    moe, moe_unsupported = qwen3_moe.moe_shape(cfg, cfg.get("num_hidden_layers") or 0)
+    unsupported += moe_unsupported if family == qwen3_moe.FAMILY else []
     if unsupported:
         raise CheckpointError(
             f"{label} is a {family} variant dtrain's model cannot reproduce ({', '.join(unsupported)})")
     return {
         "n_layer": cfg.get("num_hidden_layers"), "n_head": heads, "n_embd": width,
         "block_size": cfg.get("max_position_embeddings"), "vocab_size": cfg.get("vocab_size"),
-        "norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "qk_norm": family == "qwen3",
+        "norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "qk_norm": family != "llama",
         "n_kv_head": cfg.get("num_key_value_heads") or heads, "mlp_hidden": cfg.get("intermediate_size"),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)), "bias": attention_bias,
         "norm_eps": cfg.get("rms_norm_eps", 1e-6),
         "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        "moe": moe if family == qwen3_moe.FAMILY else {"num_experts": 0},
     }
 
 
 def llama_parts(s) -> dict[str, list[tuple[str, list[int]]]]:
     """For each of our tensors (model config or shape `s`), the HF tensors it is made of, stacked
-    along dim 0: [(LlamaForCausalLM name, its shape)]. Vocabulary tensors list HF's real rows."""
+    along dim 0: [(LlamaForCausalLM name, its shape)] (an expert tensor's first two dims merged).
+    Vocabulary tensors list HF's real rows."""
     e, heads, layers = s["n_embd"], s["n_head"], s["n_layer"]
+    moe = qwen3_moe.moe_keys(s)
+    moe_layers = qwen3_moe.moe_layers(layers, moe["every"]) if qwen3_moe.num_experts(s) else []
     kv, hidden, head_dim = _kv_heads(s) * (e // heads), _hidden(s), e // heads
     parts = {"transformer.wte.weight": [(EMBED, [s["vocab_size"], e])],
              "transformer.ln_f.weight": [("model.norm.weight", [e])]}
@@ -166,6 +185,9 @@ def llama_parts(s) -> dict[str, list[tuple[str, list[int]]]]:
         if s["qk_norm"]:
             block.update({"attn.q_norm.weight": [(attn + "q_norm.weight", [head_dim])],
                           "attn.k_norm.weight": [(attn + "k_norm.weight", [head_dim])]})
+        if i in moe_layers:  # the MoE block in place of the dense MLP
+            block = {k: v for k, v in block.items() if not k.startswith("mlp.")}
+            parts.update(qwen3_moe.layer_parts(ours, hf, s, e))
         parts.update({ours + k: v for k, v in block.items()})
     return parts
 

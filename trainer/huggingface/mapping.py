@@ -1,6 +1,6 @@
 """Hugging Face names and layouts <-> ours: the one mapping `dtrain export` writes with and
 `model.init_from` reads with. GPT-2's is here; Llama's table of names (and Qwen3's, Llama with
-QK-norm) is in llama.py, applied to tensors here.
+QK-norm, and Qwen3-MoE's, whose experts qwen3_moe.py adds) is in llama.py, applied to tensors here.
 
 Our parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight` ...). What differs:
 - HF's Conv1D stores c_attn / c_proj / c_fc weights as (in, out), the transpose of nn.Linear;
@@ -22,6 +22,7 @@ import torch
 
 from trainer.errors import UserError
 from trainer.huggingface.llama import export_family, file_key, llama_config, llama_parts
+from trainer.huggingface.qwen3_moe import expert_aliases
 from trainer.tokenizers.gpt2 import EOT
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -83,13 +84,16 @@ def to_hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, tor
 
 
 def _to_llama_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Each of our tensors split into the HF tensors llama.llama_parts stacks in it."""
+    """Each of our tensors split into the HF tensors llama.llama_parts stacks in it (an expert
+    tensor [E, rows, cols] as [E x rows, cols]: the Hub's per-expert matrices, in order)."""
     c = model.config
     parts = llama_parts(dataclasses.asdict(c))
     out = {}
     for name, tensor in model.state_dict().items():
         if name not in parts:  # the tied head's alias of the embedding
             continue
+        if tensor.dim() == 3:
+            tensor = tensor.flatten(0, 1)
         start = 0
         for key, shape in parts[name]:
             out[key] = tensor[start:start + shape[0]].detach().to("cpu", dtype).contiguous().clone()
@@ -133,27 +137,49 @@ def hf_config(model, dtype: str = "float32", eot: int = EOT) -> dict:
 
 class SafetensorsFolder:
     """The tensors of a HF folder by name, across its files (one model.safetensors, or the shards
-    model.safetensors.index.json lists), each opened once; get_slice reads only the part asked for."""
+    model.safetensors.index.json lists), each opened once; get_slice reads only the part asked for.
+    A transformers-5 stacked expert tensor (`mlp.experts.gate_up_proj`) is also named as the
+    per-expert tensors it holds (`mlp.experts.3.up_proj.weight`: qwen3_moe.expert_aliases), so
+    one table of names reads both layouts."""
 
     def __init__(self, safetensors, files: list[Path]):
         self._safetensors, self._files = safetensors, files
         self._stack = contextlib.ExitStack()
         self._owner: dict = {}
+        self._alias: dict[str, tuple[str, int, int, int]] = {}
 
     def __enter__(self) -> SafetensorsFolder:
         for file in self._files:
             handle = self._stack.enter_context(self._safetensors.safe_open(str(file), framework="pt"))
             self._owner.update(dict.fromkeys(handle.keys(), handle))
+            for key in handle.keys():
+                aliases = expert_aliases(key, handle.get_slice(key).get_shape())
+                self._alias.update({name: (key, *where) for name, where in aliases.items()})
         return self
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
     def keys(self):
-        return self._owner.keys()
+        return self._owner.keys() | self._alias.keys()
 
     def get_slice(self, key: str):
+        if key in self._alias:
+            return _ExpertSlice(self.get_slice(self._alias[key][0]), *self._alias[key][1:])
         return self._owner[key].get_slice(key)
+
+
+class _ExpertSlice:
+    """One expert's rows [first, first + rows) of a stacked [E, rows, cols] tensor's slice, indexed
+    as the 2D tensor they are (rows and columns as slices: all read_llama_region asks)."""
+
+    def __init__(self, stacked, expert: int, first: int, rows: int):
+        self._stacked, self._expert, self._first, self._rows = stacked, expert, first, rows
+
+    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
+        rows, columns = index
+        start, stop, _ = rows.indices(self._rows)
+        return self._stacked[self._expert, self._first + start:self._first + stop, columns]
 
 
 def read_llama_region(files, name: str, parts: list, offsets: tuple, sizes: tuple) -> torch.Tensor:
@@ -171,6 +197,17 @@ def read_llama_region(files, name: str, parts: list, offsets: tuple, sizes: tupl
     if stop > base:
         pieces.append(torch.full((stop - max(start, base), *sizes[1:]), float("nan")))
     return torch.cat(pieces)
+
+
+def read_expert_region(files, name: str, parts: list, offsets: tuple, sizes: tuple,
+                       rows_per_expert: int) -> torch.Tensor:
+    """The part [offsets, offsets + sizes) of our expert tensor `name` ([E, rows_per_expert, cols]),
+    whose rows, the first two dims merged, are HF's `parts` stacked: read expert by expert (a shard
+    of the experts reads only its experts)."""
+    first, rows = offsets[1:], sizes[1:]
+    return torch.stack([
+        read_llama_region(files, name, parts, (expert * rows_per_expert + first[0], first[1]), rows)
+        for expert in range(offsets[0], offsets[0] + sizes[0])])
 
 
 def hf_prefix(keys) -> str:

@@ -1,10 +1,11 @@
-"""`model.init_from=PATH`: a new run's first weights, from a Hugging Face GPT-2, Llama or Qwen3
-folder or a dtrain checkpoint (its source is checked before the run starts: trainer/weights/init_source.py).
+"""`model.init_from=PATH`: a new run's first weights, from a Hugging Face GPT-2, Llama, Qwen3 or
+Qwen3-MoE folder or a dtrain checkpoint (its source is checked before the run starts: trainer/weights/init_source.py).
 
 The weights go into the model the strategy has already wrapped, through its own model state dict:
 under FSDP that holds each rank's shards (DTensors), and each rank reads only those: safetensors'
 get_slice reads the rows (or, for HF's transposed Conv1D weights, the columns) of its shard, of
-each of HF's q/k/v or gate/up tensors our fused one holds (trainer/huggingface/llama.py), DCP
+each of HF's q/k/v or gate/up tensors our fused one holds (trainer/huggingface/llama.py), of
+the experts a shard of an expert tensor holds (trainer/huggingface/qwen3_moe.py), DCP
 reads the chunks the rank holds. No rank ever holds two full copies of the model. Optimizer,
 schedule, step and data start fresh: this is not a resume (which continues a run exactly).
 """
@@ -27,6 +28,7 @@ from trainer.huggingface.mapping import (
     SafetensorsFolder,
     hf_prefix,
     pad_rows,
+    read_expert_region,
     read_hf_region,
     read_llama_region,
     safetensors_lib,
@@ -104,6 +106,8 @@ def _load_hf(template: dict[str, torch.Tensor], source: InitSource, vocab_size: 
             if gpt2:
                 part = read_hf_region(files, prefix, name, offsets, sizes, vocab_size)
                 key = prefix + "wte.weight"
+            elif tensor.dim() == 3:  # an expert tensor [E, rows, cols]
+                part = read_expert_region(files, name, parts[name], offsets, sizes, tensor.shape[1])
             else:
                 part = read_llama_region(files, name, parts[name], offsets, sizes)
                 key = file_key(parts[name][0][0], files.keys())

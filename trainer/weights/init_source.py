@@ -1,10 +1,10 @@
 """What `model.init_from=PATH` names, checked before anything is written (no torch).
 
 PATH is a Hugging Face folder (config.json + model.safetensors or its sharded index, as
-`huggingface-cli download` or `dtrain export` write it) of a GPT-2, Llama or Qwen3 model, a dtrain
+`huggingface-cli download` or `dtrain export` write it) of a GPT-2, Llama, Qwen3 or Qwen3-MoE model, a dtrain
 run directory (its newest checkpoint) or one `step_*` checkpoint folder. The source's shape and
 block (norm, positions, MLP, KV heads...) come from config.json, the safetensors headers or the
-checkpoint's recorded config, and must be the chosen model group's: the model group describes the
+checkpoint's recorded config, and must be the chosen model group's (model.moe.* too): the model group describes the
 source (a shorter train.seq_len than its block size is fine; validation refuses a longer one).
 Only safetensors or DCP files are ever read, never a pickle.
 """
@@ -24,6 +24,7 @@ from trainer.checkpoint.layout import CHECKPOINT_DIR, CONFIG_FILE, checkpoint_st
 from trainer.config.schema import CONF_DIR, ModelConfig
 from trainer.config.shape import mlp_width
 from trainer.errors import CheckpointError, ConfigError
+from trainer.huggingface import qwen3_moe
 from trainer.huggingface.llama import LLAMA_TYPES, file_key, llama_parts, llama_shape
 from trainer.io import not_a_folder
 
@@ -33,10 +34,15 @@ HF_INDEX = "model.safetensors.index.json"  # a sharded save: which file holds ea
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the block's keys a source must share with the model group (widths and heads as the model builds them)
 BLOCK_KEYS = ("norm", "pos", "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "norm_eps", "rope_theta")
+# model.moe's, flat as a source's shape holds them (trainer/huggingface/qwen3_moe.py reads both forms)
+MOE_KEYS = tuple(f"moe.{k}" for k in qwen3_moe.SHAPE_KEYS)
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+# model.moe's defaults (a nested group: the schema's factory makes them)
+MOE_DEFAULTS = next((dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(ModelConfig)
+                     if f.name == "moe"), {})
 # GELU with the tanh approximation, under both of transformers' names for it.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-KINDS = ("a Hugging Face GPT-2, Llama or Qwen3 folder (config.json + model.safetensors), a dtrain run "
+KINDS = ("a Hugging Face GPT-2, Llama, Qwen3 or Qwen3-MoE folder (config.json + model.safetensors), a dtrain run "
          "directory or a step_* checkpoint folder")
 
 
@@ -60,14 +66,23 @@ def hf_weight_files(folder: Path) -> list[Path]:
 
 
 def effective(m) -> dict:
-    """SHAPE_KEYS and BLOCK_KEYS of a model config (or a source's shape) as the model builds them:
-    n_kv_head and mlp_hidden resolved, rope_theta only where positions are rotary."""
+    """SHAPE_KEYS, BLOCK_KEYS and MOE_KEYS of a model config (or a source's shape) as the model
+    builds them: n_kv_head and mlp_hidden resolved, rope_theta only where positions are rotary,
+    model.moe's keys only with experts, mlp_hidden only where some layer is dense."""
     out = {k: m.get(k, DEFAULTS[k]) for k in (*SHAPE_KEYS, *BLOCK_KEYS)}
     out["n_kv_head"] = out["n_kv_head"] or out["n_head"]
     out["mlp_hidden"] = mlp_width(out["n_embd"], out["mlp"], out["mlp_hidden"],
                                   m.get("mlp_multiple_of", DEFAULTS["mlp_multiple_of"]))
     if out["pos"] != "rope":
         out["rope_theta"] = None
+    moe = {**MOE_DEFAULTS, **qwen3_moe.moe_keys(m)}
+    experts = moe.get("num_experts") or 0
+    out.update({f"moe.{k}": moe.get(k) if experts else None for k in qwen3_moe.SHAPE_KEYS})
+    out["moe.num_experts"] = experts
+    if experts:  # null: the dense width / top_k, resolved as the model builds it
+        out["moe.expert_hidden"] = qwen3_moe.expert_hidden({**out, "moe": moe})
+    if experts and len(qwen3_moe.moe_layers(out["n_layer"], moe["every"])) == out["n_layer"]:
+        out["mlp_hidden"] = None  # every layer's MLP is the MoE block: no dense width to compare
     return out
 
 
@@ -206,7 +221,10 @@ def _expected_tensors(source: InitSource, keys) -> dict[str, list[int]]:
     if source.shape["norm"] == "layernorm":  # GPT-2: the only HF family with LayerNorm
         prefix = "transformer." if "transformer.wte.weight" in keys else ""
         return {prefix + name: shape for name, shape in hf_tensor_shapes(source.shape).items()}
-    return {file_key(key, keys): shape for parts in llama_parts(source.shape).values() for key, shape in parts}
+    expected = {file_key(key, keys): shape for parts in llama_parts(source.shape).values() for key, shape in parts}
+    if any(qwen3_moe.FUSED.match(key) for key in keys):  # transformers 5's stacked experts
+        return qwen3_moe.fused_expected(expected)
+    return expected
 
 
 def _check_hf_file(source: InitSource, bias: bool) -> None:
@@ -245,7 +263,7 @@ def _compared(source: InitSource) -> list[str]:
     """The keys the model group must share with the source: a HF GPT-2's biases are always stored
     (zeros are model.bias=false's function), everywhere else model.bias is part of the shape."""
     gpt2_file = source.kind == "hf" and source.shape["norm"] == "layernorm"
-    return [*SHAPE_KEYS, *BLOCK_KEYS, *(() if gpt2_file else ("bias",))]
+    return [*SHAPE_KEYS, *BLOCK_KEYS, *MOE_KEYS, *(() if gpt2_file else ("bias",))]
 
 
 def _value(v) -> str:
@@ -274,7 +292,11 @@ def check_init_source(spec: str, model_cfg) -> InitSource:
     source = find_init_source(spec)
     model = {**effective(model_cfg), "bias": model_cfg.get("bias", DEFAULTS["bias"])}
     keys = _compared(source)
-    differ = [k for k in keys if source.shape.get(k) != model[k]]
+    # a source's None is "not in this model" (model.moe's keys without experts, mlp_hidden without a
+    # dense layer): no value to set; the keys that say so (moe.num_experts, moe.every) differ instead
+    optional = (*MOE_KEYS, "mlp_hidden")
+    differ = [k for k in keys if source.shape.get(k) != model[k]
+              and not (k in optional and source.shape.get(k) is None)]
     if differ:
         group = _matching_group(source.shape, keys)
         fix = f"choose model={group}" if group and group != model_cfg.name else "set " + " ".join(
