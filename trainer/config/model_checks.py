@@ -33,6 +33,29 @@ def check_block(m: DictConfig) -> None:
             f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
             "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
         )
+    check_moe(m)
+
+
+def check_moe(m: DictConfig) -> None:
+    """model.moe's counts are sensible and its SwiGLU experts sit in a SwiGLU block."""
+    moe = m.get("moe")
+    if moe is None:
+        return
+    for key in ("num_experts", "num_shared_experts"):
+        if moe[key] < 0:
+            raise ConfigError(f"model.moe.{key}={moe[key]} is negative; give 0 or more")
+    if moe.expert_hidden is not None and moe.expert_hidden < 1:
+        raise ConfigError(f"model.moe.expert_hidden={moe.expert_hidden} must be 1 or more (or null)")
+    if moe.every < 1:
+        raise ConfigError(f"model.moe.every={moe.every} must be 1 or more (1: every layer is MoE)")
+    if moe.num_experts == 0:
+        return
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts="
+                          f"{moe.num_experts}; choose a top_k within that range")
+    if m.mlp != "swiglu":
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} builds SwiGLU experts, but model.mlp={m.mlp}; "
+                          "set model.mlp=swiglu (e.g. model=qwen3_moe_tiny) or model.moe.num_experts=0")
 
 
 def check_tensor_parallel(m: DictConfig, tp: int) -> None:

@@ -75,6 +75,22 @@ def with_old_names(section: str):
 
 
 @dataclass
+class MoEConfig:
+    """model.moe: a mixture-of-experts feed-forward block (trainer/model/moe.py) in every `every`th
+    layer (Qwen3's decoder_sparse_step: layer i, 0-based, when (i + 1) % every == 0); 0 experts =
+    the dense MLP everywhere. The experts are SwiGLU (model.mlp must be swiglu)."""
+
+    num_experts: int = 0
+    top_k: int = 2  # experts each token is routed to
+    num_shared_experts: int = 0  # a dense SwiGLU of num_shared_experts x expert_hidden every token passes
+    # Each expert's SwiGLU width; null = the dense MLP's width / top_k (the same active MLP width).
+    expert_hidden: Optional[int] = None
+    every: int = 1
+    aux_loss_coef: float = 0.001  # x the load-balancing loss (Hugging Face's), summed over the MoE layers
+    norm_topk_prob: bool = True  # renormalize the chosen experts' probabilities to sum 1 (Qwen3-MoE)
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     n_layer: int = 2
@@ -106,6 +122,7 @@ class ModelConfig:
     # must be the source's. Not resume: a run dir with its own checkpoint continues from that.
     # A recipe that needs one sets INIT_FROM_REQUIRED (OmegaConf's ??? cannot replace a default).
     init_from: Optional[str] = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

@@ -266,6 +266,10 @@ def validate(cfg: DictConfig) -> None:
     if o.schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule={o.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     check_optimizer_name(o.name)
+    if o.name == "muon" and cfg.model.get("moe") is not None and cfg.model.moe.num_experts > 0:
+        # Not yet built: BatchedMuon steps 2-D matrices; the experts' [E, rows, cols] stacks are next.
+        raise ConfigError("optim=muon does not yet step the 3-D expert weights of model.moe.num_experts > 0; "
+                          "use optim=adamw for a mixture-of-experts model")
     if o.muon.adjust_lr not in MUON_ADJUST_LR:
         raise ConfigError(f"optim.muon.adjust_lr={o.muon.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)}")
     if o.muon.ns_dtype not in MUON_NS_DTYPES:

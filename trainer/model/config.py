@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainer.config.schema import ModelConfig
+from trainer.config.schema import ModelConfig, MoEConfig
 from trainer.config.shape import mlp_width
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 
@@ -17,10 +17,17 @@ NOT_SHAPE = ("name", "init_from")
 # The schema's default vocab_size is the tokenizer's, read when the config resolves: GPT-2's here.
 RESOLVED_DEFAULTS = {"vocab_size": TOKENIZER_VOCAB_SIZE}
 
+
+
+def _field_default(f: dataclasses.Field):
+    if f.default is dataclasses.MISSING:  # a nested group (model.moe): its own default instance
+        return dataclasses.field(default_factory=f.default_factory)
+    return RESOLVED_DEFAULTS.get(f.name, f.default)
+
+
 _ShapeFields = dataclasses.make_dataclass(
     "_ShapeFields",
-    [(f.name, f.type, RESOLVED_DEFAULTS.get(f.name, f.default))
-     for f in dataclasses.fields(ModelConfig) if f.name not in NOT_SHAPE],
+    [(f.name, f.type, _field_default(f)) for f in dataclasses.fields(ModelConfig) if f.name not in NOT_SHAPE],
     frozen=True,
 )
 
@@ -29,6 +36,16 @@ _ShapeFields = dataclasses.make_dataclass(
 class GPTConfig(_ShapeFields):
     """ModelConfig's fields less NOT_SHAPE, in its order (what each means is written there), and
     what the model derives from them."""
+
+    def __post_init__(self):
+        # model.moe arrives as the run config's mapping, or as a tuple of its values
+        # (dataclasses.astuple, the memory plan's cache key): held as a MoEConfig either way.
+        moe = self.moe
+        if isinstance(moe, tuple):
+            moe = MoEConfig(*moe)
+        elif not isinstance(moe, MoEConfig):
+            moe = MoEConfig(**{f.name: moe[f.name] for f in dataclasses.fields(MoEConfig) if f.name in moe})
+        object.__setattr__(self, "moe", moe)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -48,9 +65,19 @@ class GPTConfig(_ShapeFields):
         """The MLP's hidden width (see trainer.config.shape.mlp_width)."""
         return mlp_width(self.n_embd, self.mlp, self.mlp_hidden, self.mlp_multiple_of)
 
+    @property
+    def expert_hidden(self) -> int:
+        """Each MoE expert's SwiGLU width: model.moe.expert_hidden, or the dense width / top_k."""
+        return self.moe.expert_hidden or max(1, self.hidden // self.moe.top_k)
+
     def summary(self) -> str:
         """The block's options in a few words (GPT-2's: "layernorm, learned, gelu 3072")."""
         parts = [self.norm, self.pos, f"{self.mlp} {self.hidden}"]
+        moe = self.moe
+        if moe.num_experts > 0:
+            shared = f" + {moe.num_shared_experts} shared" if moe.num_shared_experts else ""
+            every = f" every {moe.every} layers" if moe.every > 1 else ""
+            parts.append(f"moe {moe.top_k} of {moe.num_experts} x {self.expert_hidden}{shared}{every}")
         if self.kv_heads != self.n_head:
             parts.append(f"{self.n_head} q / {self.kv_heads} kv heads")
         flags = (("qk-norm", self.qk_norm), ("untied head", not self.tie_embeddings), ("no bias", not self.bias))

@@ -17,6 +17,7 @@ from trainer.model.config import GPTConfig
 from trainer.model.kv_cache import CacheStep
 from trainer.model.layers import Block, make_norm, rotary_tables
 from trainer.model.loss import chunked_cross_entropy
+from trainer.model.moe import GroupedExperts, MoEFeedForward, is_moe_layer
 
 # What each parameter is to the optimizer (trainer/optim/build.py): Muon takes the hidden matrices.
 ROLES = ("hidden", "embedding", "head", "norm", "bias")
@@ -30,7 +31,9 @@ class GPT(nn.Module):
         layers = dict(wte=nn.Embedding(config.padded_vocab_size, config.n_embd))
         if config.pos == "learned":
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
-        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+        blocks = [Block(config, MoEFeedForward(config) if is_moe_layer(config, i) else None)
+                  for i in range(config.n_layer)]
+        layers.update(drop=nn.Dropout(config.dropout), h=nn.ModuleList(blocks),
                       ln_f=make_norm(config, config.n_embd))
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -59,16 +62,31 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, GroupedExperts):
+            nn.init.normal_(module.c_fc, mean=0.0, std=0.02)
+            nn.init.normal_(module.c_proj, mean=0.0, std=0.02 * (2 * self.config.n_layer) ** -0.5)
 
     def num_params(self) -> int:
         """Unique parameters (a tied embedding counted once), positions included."""
         return sum(p.numel() for p in self.parameters())
 
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [block.mlp for block in self.transformer.h if isinstance(block.mlp, MoEFeedForward)]
+
+    def active_params(self) -> int:
+        """The parameters one token is multiplied with or looks up: num_params less, in each MoE
+        layer, the routed experts it is not sent to (it passes top_k of num_experts)."""
+        moe = self.config.moe
+        idle = sum(layer.experts.c_fc.numel() + layer.experts.c_proj.numel() for layer in self.moe_layers())
+        return self.num_params() - idle * (moe.num_experts - moe.top_k) // max(moe.num_experts, 1)
+
     @staticmethod
     def param_role(name: str, param: torch.Tensor) -> str:
         """One of ROLES for a parameter of this model, by its name (as named_parameters gives it,
-        the tied embedding under transformer.wte) and shape."""
-        if name.startswith("transformer.h.") and param.dim() == 2:
+        the tied embedding under transformer.wte) and shape. The 3-D expert weights hold one
+        matrix per expert: hidden. The router is a hidden matrix too: Muon orthogonalizes it as
+        Moonlight does its MoE router (an [E, d] linear map like any other)."""
+        if name.startswith("transformer.h.") and param.dim() in (2, 3):
             return "hidden"
         if name.startswith(("transformer.wte.", "transformer.wpe.")):
             return "embedding"
@@ -86,6 +104,11 @@ class GPT(nn.Module):
             return (c.n_embd, kv_width, kv_width)
         if name.endswith(".mlp.c_fc.weight") and c.mlp == "swiglu":
             return (c.hidden, c.hidden)
+        if name.endswith(".mlp.shared.c_fc.weight"):
+            width = c.moe.num_shared_experts * c.expert_hidden
+            return (width, width)
+        if name.endswith(".mlp.experts.c_fc"):  # each expert's gate, then its up (rows: one expert's)
+            return (c.expert_hidden, c.expert_hidden)
         return (rows,)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -143,6 +166,10 @@ class GPT(nn.Module):
             # denominator and are pushed down by training, so they are kept (slicing would copy).
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1),
                                    reduction="none" if per_token else "mean")
+        if self.training and not per_token:
+            layers = self.moe_layers()
+            if layers:
+                loss = loss + self.config.moe.aux_loss_coef * sum(layer.aux_loss for layer in layers)
         if per_token:
             # under context parallelism every rank returns the whole sequences' losses, in order
             return None, loss if split is None else split.whole(loss.view(B, -1)).view(-1)
@@ -163,9 +190,10 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B: 6 per weight
         a token is multiplied with (table lookups are not: the position table, and the token
-        embedding when the head has its own weight), plus attention's scores and weighted sum."""
+        embedding when the head has its own weight), plus attention's scores and weighted sum. A MoE
+        model counts its active parameters (GPT.active_params)."""
         c = self.config
-        n = self.num_params()
+        n = self.active_params()
         if "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         if not c.tie_embeddings:

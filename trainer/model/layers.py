@@ -133,12 +133,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.ln_1 = make_norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config, config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv: KeyValues | None = None) -> torch.Tensor:
