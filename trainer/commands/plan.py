@@ -173,7 +173,7 @@ def cmd_plan(argv: list[str]) -> None:
             notes.append(_shard_note(cfg, strategy, w))
     console = Console(width=max(Console().width, 150))
     # memory holds every parameter (the table); FLOPs and MFU count the active ones
-    counts = parameter_counts(meta_model(GPTConfig.from_cfg(cfg.model)), cfg.model, cfg.train.seq_len)
+    counts = parameter_counts(meta_model(GPTConfig.from_cfg(cfg.model)), cfg.train.seq_len)
     console.print(counts.describe(cfg.train.seq_len), highlight=False)
     console.print(table)
     console.print(

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from trainer.model.moe import MoEFeedForward
 from trainer.process.runtime import Runtime
 
 
-def moe_layers(model: torch.nn.Module, model_cfg) -> list[tuple[int, torch.nn.Module]]:
-    """(block index, MoE feed-forward) of each MoE layer of an unwrapped GPT, in depth order: layer i
-    (from 0) when model.moe.num_experts > 0 and (i + 1) % model.moe.every == 0 (none for a dense model)."""
-    moe = model_cfg.get("moe")
-    if not moe or not moe.get("num_experts"):
-        return []
-    return [(i, block.mlp) for i, block in enumerate(model.transformer.h) if (i + 1) % moe.every == 0]
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, MoEFeedForward]]:
+    """(block index, MoE feed-forward) of each MoE layer of an unwrapped GPT, in depth order (none for a
+    dense model)."""
+    return [(i, block.mlp) for i, block in enumerate(model.transformer.h) if isinstance(block.mlp, MoEFeedForward)]
 
 
 def load_shares(tokens: list[int]) -> tuple[float, float]:
@@ -42,15 +40,15 @@ def load_shares(tokens: list[int]) -> tuple[float, float]:
 class ExpertStats:
     """Run.experts of a MoE model (None for a dense one): fed after each micro-step, read by StepLog."""
 
-    def __init__(self, layers: list[tuple[int, torch.nn.Module]], rt: Runtime):
+    def __init__(self, layers: list[tuple[int, MoEFeedForward]], rt: Runtime):
         self.layers, self.rt = layers, rt
         self._aux = torch.zeros((), device=rt.device)  # this step's aux loss, summed over its micro-steps
         self._load: torch.Tensor | None = None  # [layers, experts] int64 since the last logged step
         self.aux_loss = float("nan")  # the last checked step's, averaged over micro-steps and ranks
 
     @classmethod
-    def of(cls, model: torch.nn.Module, model_cfg, rt: Runtime) -> ExpertStats | None:
-        layers = moe_layers(model, model_cfg)
+    def of(cls, model: torch.nn.Module, rt: Runtime) -> ExpertStats | None:
+        layers = moe_layers(model)
         return cls(layers, rt) if layers else None
 
     def after_micro_step(self) -> None:

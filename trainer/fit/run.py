@@ -84,7 +84,7 @@ class Run:
         self.delay = injected_delay()  # a testing hook: (rank, step, seconds) or None
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
         # a MoE model's aux loss and expert load (trainer/fit/experts.py); None for a dense model
-        self.experts = ExpertStats.of(self.strategy.unwrap(self.model), cfg.model, rt)
+        self.experts = ExpertStats.of(self.strategy.unwrap(self.model), rt)
 
     def _val_set(self, data) -> ValidationSet:
         """The first train.val_tokens tokens of the val split (trainer/data/val_set.py), or as many

@@ -25,21 +25,9 @@ class ParameterCounts:
                        f"(what MFU counts)")
 
 
-def parameter_counts(model: GPT, model_cfg, seq_len: int) -> ParameterCounts:
+def parameter_counts(model: GPT, seq_len: int) -> ParameterCounts:
     """`model`'s counts (on the meta device: shapes only)."""
-    return ParameterCounts(model.num_params(), active_parameters(model, model_cfg), model.flops_per_token(seq_len))
-
-
-def active_parameters(model: GPT, model_cfg) -> int:
-    """The parameters one token is multiplied with: all but (E - top_k) / E of the routed experts'
-    weights, which the MoE layers hold stacked, one [E, ...] tensor per matrix (grouped multiplies)."""
-    total = model.num_params()
-    moe = model_cfg.get("moe")
-    if not moe or not moe.get("num_experts"):
-        return total
-    experts = moe.num_experts
-    routed = sum(p.numel() for p in model.parameters() if p.dim() >= 3 and p.shape[0] == experts)
-    return total - routed + routed * moe.top_k // experts
+    return ParameterCounts(model.num_params(), model.active_params(), model.flops_per_token(seq_len))
 
 
 def _short(n: float) -> str:
