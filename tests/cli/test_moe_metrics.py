@@ -148,3 +148,16 @@ def test_the_plan_counts_active_parameters_by_hand():
     assert counts.total == sum(p.numel() for p in model.parameters())
     assert counts.active == counts.total - routed + routed * m.top_k // m.num_experts
     assert counts.flops_per_token < 6 * counts.total  # FLOPs on the active ones
+
+
+@pytest.mark.slow
+def test_two_ranks_count_the_load_and_aux_loss_as_one_process_does(data_dir, tmp_path):
+    """The same global batch on one process (4 micro-steps) and on DDP world 2 (2 each): the load summed
+    over the ranks is the one process's count, expert by expert, and the aux loss its mean."""
+    batch = ["train.total_batch_size=512", "train.micro_batch_size=2", "train.max_steps=2", "train.log_interval=1"]
+    _, one = moe_run(data_dir, tmp_path / "one", "parallel=none", *batch)
+    _, two = moe_run(data_dir, tmp_path / "two", "parallel=ddp", "world=2", *batch)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two, strict=True):
+        assert a["expert_load"] == b["expert_load"]
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], abs=1e-5)
