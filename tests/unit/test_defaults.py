@@ -77,7 +77,9 @@ def test_the_models_defaults_are_the_schemas():
     schema = OmegaConf.structured(Config)
     schema.model = OmegaConf.structured(ModelConfig)
     model_defaults = OmegaConf.to_container(schema.model, resolve=True)
-    gpt_defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    # a nested group (model.moe): its default's fields
+    gpt_defaults = {f.name: f.default if f.default is not dataclasses.MISSING
+                    else dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(GPTConfig)}
     assert set(gpt_defaults) == set(model_defaults) - {"name", "init_from"}
     assert gpt_defaults == {key: model_defaults[key] for key in gpt_defaults}
     tiny = compose(["model=tiny", "tokenizer=gpt2"]).model

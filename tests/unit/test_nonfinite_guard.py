@@ -45,3 +45,18 @@ def test_a_finite_step_ends_a_run_of_non_finite_ones():
     g.in_a_row = 2  # as respond() counts them
     g.check(torch.tensor(2.0), torch.tensor(1.0))
     assert g.finite and g.in_a_row == 0 and g.take_skips() == 1 and g.take_skips() == 0
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_figures_beside_the_check_are_read_with_it_and_do_not_decide_the_verdict(on_device):
+    """A MoE model's aux loss rides the check's all-reduce (trainer/fit/experts.py): read in the same
+    sync as the loss, and a non-finite aux alone is not the step's verdict (the loss, which holds it,
+    is)."""
+    g = guard()
+    _, found_inf = g.check(torch.tensor(2.0), torch.tensor(1.0), on_device=on_device, beside=torch.tensor(0.25))
+    if on_device:
+        assert found_inf.item() == 0.0
+        g.settle()
+    assert g.finite and g.beside == [0.25] and (g.loss, g.grad_norm) == (2.0, 1.0)
+    g.check(torch.tensor(2.0), torch.tensor(1.0), beside=torch.tensor(math.nan))
+    assert g.finite and math.isnan(g.beside[0])

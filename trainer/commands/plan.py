@@ -9,6 +9,8 @@ train.activation_checkpointing and train.loss_chunks included); the mode asked f
 line saying whether one sequence of the model's whole context fits it with activation checkpointing.
 The sharded modes' model state is read from their real DTensor shards (trainer/plan/shards.py) at
 the mesh parallel.dp_replicate / parallel.tp / world give.
+A line above the table counts the parameters: all of them (what the memory figures hold) and, for a
+mixture of experts, the active ones (top_k of the routed experts, what FLOPs per token and MFU count).
 --device picks the device the run will use (default: train.device, where auto is this host's).
 Without --device-memory the budget is the visible GPU's memory (an 80 GiB H100's when planning
 for CUDA on a host without one), or for a CPU run the machine's RAM shared by the workers of one node.
@@ -32,6 +34,8 @@ from trainer.model.config import GPTConfig
 from trainer.parallel import STRATEGIES
 from trainer.parallel.base import Strategy
 from trainer.plan.memory import device_type_of, estimate, fmt_bytes, host_memory, largest_micro_batch, parse_size
+from trainer.plan.meta import meta_model
+from trainer.plan.params import parameter_counts
 from trainer.plan.shards import shard_plan
 
 _SIZE_MISSING = object()  # --device-memory given without a size
@@ -168,6 +172,9 @@ def cmd_plan(argv: list[str]) -> None:
         if strategy.shards_parameters or shape.tp > 1:
             notes.append(_shard_note(cfg, strategy, w))
     console = Console(width=max(Console().width, 150))
+    # memory holds every parameter (the table); FLOPs and MFU count the active ones
+    counts = parameter_counts(meta_model(GPTConfig.from_cfg(cfg.model)), cfg.train.seq_len)
+    console.print(counts.describe(cfg.train.seq_len), highlight=False)
     console.print(table)
     console.print(
         "[dim]peak = the larger of backward's start (params + optimizer + activations, + gradients where "

@@ -8,6 +8,9 @@ them (read from each run's .hydra/overrides.yaml):
     lr.png            learning rate against tokens seen
     tokens_per_s.png  training throughput against tokens seen
     hellaswag.png     HellaSwag acc_norm against tokens seen (only when a run evaluated it)
+    experts.png       a mixture-of-experts run's expert load (each MoE layer's least and most loaded
+                      expert, as a share of the mean) and its load-balancing aux loss
+                      (only when a run trained a MoE model: docs/model.md, "Mixture of experts")
     report.json       runs that differ only in train.seed as groups: per group and figure n, mean,
                       sd, 95% CI; every group against the first (or --baseline) with the
                       difference, its 95% CI and Welch's t-test p-value (scipy: dtrain[stats])
@@ -241,6 +244,38 @@ class Plotter:
                         transform=ax_val.transAxes, color="gray")
         return self._save(fig, "loss.png", [ax_train, ax_val])
 
+    def experts(self) -> Path:
+        """The expert load and aux loss of the MoE runs: with one run, each MoE layer's most (solid)
+        and least (dashed) loaded expert, coloured by depth; with several, each run's extremes over
+        its layers."""
+        fig, (ax_load, ax_aux) = self._figure("mixture of experts: expert load and aux loss", panels=2)
+        moe = [run for run in self.runs if any("expert_load" in r for r in run.train)]
+        for i, run in enumerate(moe):
+            rows = [r for r in run.train if "expert_load" in r]
+            x = [r["tokens"] for r in rows]
+            if len(moe) == 1:
+                layers = list(rows[-1]["expert_load"])
+                depth = self.plt.get_cmap("viridis")
+                for n, layer in enumerate(layers):
+                    color = depth(n / max(1, len(layers) - 1))
+                    for key, style in (("max", "-"), ("min", "--")):
+                        ax_load.plot(x, [r["expert_load"].get(layer, {}).get(key, float("nan")) for r in rows],
+                                     style, color=color, linewidth=1.2, label=f"layer {layer} {key}")
+            else:
+                for key, style in (("expert_load_max", "-"), ("expert_load_min", "--")):
+                    self._line(ax_load, i, run, rows, key, linestyle=style, linewidth=1.2)
+            self._line(ax_aux, i, run, rows, "aux_loss", smooth=True, linewidth=1.5)
+        ax_load.axhline(1.0, color="gray", linewidth=0.8)  # every expert at its fair share
+        ax_load.set_title("expert load: most (solid) and least (dashed) loaded expert")
+        ax_load.set_ylabel("tokens per expert / mean over experts")
+        ax_aux.set_title("load-balancing aux loss (summed over MoE layers)")
+        ax_aux.set_ylabel("aux loss")
+        if len(moe) == 1 and len(ax_load.lines) > 24:  # a deep model: a legend would cover the lines
+            ax_load.set_title("expert load: most (solid) and least (dashed) loaded expert, "
+                              "first MoE layer dark to last yellow", fontsize=9)
+            return self._save(fig, "experts.png", [ax_aux])
+        return self._save(fig, "experts.png", [ax_load, ax_aux])
+
     def simple(self, key: str, title: str, ylabel: str, name: str, rows_of, **kw) -> Path:
         fig, (ax,) = self._figure(title)
         for i, group in enumerate(self.groups.values()):
@@ -295,6 +330,8 @@ def cmd_report(argv: list[str]) -> None:
     if any(r.hellaswag for r in plotted):
         files.append(plot.simple("hellaswag_acc_norm", "HellaSwag accuracy (acc_norm)", "acc_norm",
                                  "hellaswag.png", lambda r: r.hellaswag, marker="o", markersize=3))
+    if any("expert_load" in r for run in plotted for r in run.train):
+        files.append(plot.experts())
     if analysis is not None:  # written with the figures, as one more of the files
         plot.rendered[REPORT_FILE] = (json.dumps(analysis, indent=2) + "\n").encode()
         files.append(out / REPORT_FILE)

@@ -65,7 +65,8 @@ class NonFiniteGuard:
         self.skipped = 0  # updates skipped in this process (skip)
         self.unlogged_skips = 0  # of those, since the last train line of metrics.jsonl
         self.rollbacks = 0
-        self._pending: torch.Tensor | None = None  # the last checked step's reduced (loss, grad norm)
+        self._pending: torch.Tensor | None = None  # the last checked step's reduced (loss, grad norm, beside)
+        self.beside: list[float] = []  # its `beside` figures (check), read with the loss
 
     def poisons(self, step: int) -> bool:
         """Whether the testing hook makes the loss of the step that completes as `step + 1` non-finite."""
@@ -74,13 +75,18 @@ class NonFiniteGuard:
         self.inject.discard(step + 1)
         return True
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor,
-              on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor, on_device: bool = False,
+              beside: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All ranks' verdict on one step, before its update; returns (the mean loss over ranks,
         found_inf). Without `on_device` the verdict is read here (found_inf is None); with it,
         found_inf is a device tensor (1.0: skip the update) for an optimizer that masks its update
-        on device, and `settle` reads the verdict once that update is queued."""
-        stats = torch.stack([loss, grad_norm.to(loss.dtype)])
+        on device, and `settle` reads the verdict once that update is queued. `beside`: more of the
+        step's figures (a MoE model's aux loss) averaged over ranks in the same all-reduce and read in
+        the same sync (`self.beside`); the verdict is the loss's and the gradient norm's."""
+        parts = [loss, grad_norm.to(loss.dtype)]
+        if beside is not None:
+            parts.append(beside.to(loss.dtype))
+        stats = torch.stack(parts)
         if self.rt.distributed and self.rt.world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
             stats /= self.rt.world  # the same arithmetic as Runtime.all_reduce_mean: the same loss
@@ -88,12 +94,12 @@ class NonFiniteGuard:
         if not on_device:
             self.settle()
             return stats[0], None
-        return stats[0], (~torch.isfinite(stats).all()).to(torch.float32)
+        return stats[0], (~torch.isfinite(stats[:2]).all()).to(torch.float32)
 
     def settle(self) -> None:
         """Read the checked step's verdict on the host (the step's one host sync: the logged loss
         is the same number, so logging adds none)."""
-        self.loss, self.grad_norm = self._pending.tolist()
+        self.loss, self.grad_norm, *self.beside = self._pending.tolist()
         self.finite = math.isfinite(self.loss) and math.isfinite(self.grad_norm)
         if self.finite:
             self.in_a_row = 0

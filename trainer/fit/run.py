@@ -18,6 +18,7 @@ from trainer.data.mixture import mixed_figures, mixture_weights, source_configs
 from trainer.data.shard_reader import open_split, redo_command
 from trainer.data.val_set import ValidationSet
 from trainer.evals.generate import generate_text
+from trainer.fit.experts import ExpertStats
 from trainer.fit.nonfinite import NonFiniteGuard
 from trainer.model.gpt import build_model
 from trainer.optim.build import build_optimizer, masks_on_device
@@ -82,6 +83,8 @@ class Run:
         self.progress = StepProgress(micros=self.plan.grad_accum_steps)
         self.delay = injected_delay()  # a testing hook: (rank, step, seconds) or None
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
+        # a MoE model's aux loss and expert load (trainer/fit/experts.py); None for a dense model
+        self.experts = ExpertStats.of(self.strategy.unwrap(self.model), rt)
 
     def _val_set(self, data) -> ValidationSet:
         """The first train.val_tokens tokens of the val split (trainer/data/val_set.py), or as many
@@ -164,6 +167,8 @@ class Run:
                 # Each micro-step's gradient is 1/accum of the step's mean-loss gradient.
                 (loss / accum).backward()
             loss_sum += loss.detach()
+            if self.experts is not None:
+                self.experts.after_micro_step()
         return loss_sum / accum
 
     def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +178,9 @@ class Run:
         gradient norm before clipping)."""
         self.progress.at(self.plan.grad_accum_steps - 1, 3)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device)
+        # a MoE model's aux loss rides the check's all-reduce (trainer/fit/experts.py)
+        aux = None if self.experts is None else self.experts.step_aux(self.plan.grad_accum_steps)
+        loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device, beside=aux)
         if found_inf is not None:
             # The update is masked on device; the verdict is read once it is queued.
             self.strategy.optimizer_step(self.optimizer, found_inf)
@@ -182,6 +189,8 @@ class Run:
             self.strategy.optimizer_step(self.optimizer)
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        if self.experts is not None:
+            self.experts.aux_loss = self.guard.beside[0]
         return loss, grad_norm
 
     def val_loss(self) -> tuple[float, float]:

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from trainer.fit.experts import console_part
 from trainer.observe.flops import device_peak_flops
 from trainer.observe.metrics import MetricsLogger, ProgressView
 
@@ -105,8 +106,13 @@ class StepLog:
         by_source = self.run.tokens_by_source()
         if by_source is not None:  # a mixture (data.mix): its training tokens by source so far
             record["tokens_by_source"] = by_source
+        extra = ""
+        experts = self.run.experts
+        if experts is not None:  # a MoE model: the aux loss and the interval's expert load (every rank)
+            record.update(experts.record(experts.take_load()))
+            extra = console_part(record)
         self.metrics.log(record)
-        self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now))
+        self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now), extra)
 
     def _eta(self, now: float) -> float | None:
         """Seconds left at this session's pace so far (evaluation and checkpoints included)."""

@@ -142,9 +142,10 @@ class ProgressView:
         self._progress.start()
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float, mfu: float | None,
-               eta_s: float | None) -> None:
-        """A logged step: the bar's status, or a plain line (`step 5/20 | loss ... | eta 0:01:02`)."""
-        status = f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s"
+               eta_s: float | None, extra: str = "") -> None:
+        """A logged step: the bar's status, or a plain line (`step 5/20 | loss ... | eta 0:01:02`);
+        `extra` (a MoE model's ` | aux ... | load ...`) follows the loss."""
+        status = f"loss {loss:.4f}{extra} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s"
         if mfu is not None:
             status += f" | mfu {mfu:.1%}"
         line = f"step {step}/{self.total_steps} | {status} | eta {_clock(eta_s)}"
