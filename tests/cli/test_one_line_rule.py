@@ -49,6 +49,9 @@ REFUSED_RUNS = {
                                      "train.profile.steps=[3,40] must be two step numbers"),
     "memory snapshot on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.memory_snapshot=true"],
                                    "train.memory_snapshot=true needs a CUDA device"),
+    # issue 50: an SDPA kernel the CPU has not (tried for real before anything is written)
+    "attention kernel the CPU lacks": (["hydra.run.dir={run}", "train.device=cpu", "model.attention=cudnn"],
+                                       "model.attention=cudnn has no kernel"),
 }
 
 

@@ -45,6 +45,9 @@ INIT_FROM_REQUIRED = "REQUIRED"
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu", "relu2")
+# model.attention: the SDPA kernels the model's attention may use (torch.nn.attention.sdpa_kernel).
+# auto lets SDPA choose per call; flash and math run on CPU too, efficient and cudnn need CUDA.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 # torch.manual_seed and torch.Generator.manual_seed take seeds up to 2**64 - 1 (a larger one is
@@ -101,6 +104,10 @@ class ModelConfig:
     n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads (null = n_head)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (before RoPE), as OLMo 2 and Qwen3
     tie_embeddings: bool = True  # the output head shares the token embedding (GPT-2 ties; Llama does not)
+    # Which SDPA kernel computes attention (ATTENTION_BACKENDS). Not a shape: the weights are the same
+    # under each, so checkpoints, continuations and exports ignore it (trainer/config/keys.py: operational).
+    # auto: SDPA's own choice per call, until make bench-gpu has measured the best per device and shape.
+    attention: str = "auto"
     # Start a new run (step 0, fresh optimizer and data) from these weights: a Hugging Face GPT-2
     # folder, a dtrain run directory (its newest checkpoint) or a step_* folder. The group's shape
     # must be the source's. Not resume: a run dir with its own checkpoint continues from that.
