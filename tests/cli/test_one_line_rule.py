@@ -52,6 +52,8 @@ REFUSED_RUNS = {
     # issue 50: an SDPA kernel the CPU has not (tried for real before anything is written)
     "attention kernel the CPU lacks": (["hydra.run.dir={run}", "train.device=cpu", "model.attention=cudnn"],
                                        "model.attention=cudnn has no kernel"),
+    "fused loss on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.loss_kernel=fused"],
+                              "train.loss_kernel=fused runs liger-kernel's Triton kernels"),
 }
 
 

@@ -63,7 +63,7 @@ OPERATIONAL = (
     # launched: any world size and mode reshard the checkpoint; compile (and its mode), activation
     # checkpointing and the loss's pieces change how the same steps run (to rounding), not which
     "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
-    "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
+    "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks", "train.loss_kernel",
     # which SDPA kernel computes attention: the same weights and the same attention, to rounding
     "model.attention",
     # watched

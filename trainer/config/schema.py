@@ -34,6 +34,9 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("auto", "bf16", "fp32")
+# train.loss_kernel (trainer/model/loss.py): the head's matmul and the cross-entropy as one whole
+# logits tensor (plain), in train.loss_chunks pieces (chunked), or liger-kernel's fused kernel (fused).
+LOSS_KERNELS = ("auto", "plain", "chunked", "fused")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim/schedule.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
@@ -265,6 +268,11 @@ class TrainConfig:
     # whole. 1 = one piece (the logits of the whole micro batch at once), as make bench-gpu chose it
     # (its figures, time against memory: docs/performance.md).
     loss_chunks: int = 1
+    # How the head's logits become the loss (LOSS_KERNELS): plain holds B x T x vocab logits; chunked
+    # computes them in loss_chunks pieces; fused is liger-kernel's Triton kernel (the `fused` extra,
+    # CUDA only). auto: chunked when loss_chunks > 1, fused on CUDA with the extra installed, else plain
+    # (make bench-gpu's loss-kernel rows measure them: docs/performance.md).
+    loss_kernel: str = "auto"
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     # what they continue: a newline fits any corpus, as `dtrain sample`'s default (the Shakespeare
     # presets ask for "ROMEO:")

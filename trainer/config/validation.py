@@ -19,6 +19,7 @@ from trainer.config.schema import (
     GROUP_SCHEMAS,
     INIT_FROM_REQUIRED,
     LOGGERS,
+    LOSS_KERNELS,
     MAX_SAMPLE_TOKENS,
     MAX_SEED,
     MIXED_PRECISION,
@@ -239,6 +240,12 @@ def validate(cfg: DictConfig) -> None:
     if t.compile_mode != "default" and not t.compile:
         raise ConfigError(f"train.compile_mode={t.compile_mode} needs train.compile=true "
                           "(or leave compile_mode=default)")
+    if t.loss_kernel not in LOSS_KERNELS:
+        raise ConfigError(f"train.loss_kernel={t.loss_kernel!r} is unknown; choose one of {', '.join(LOSS_KERNELS)}")
+    if t.loss_chunks > 1 and t.loss_kernel in ("plain", "fused"):
+        raise ConfigError(f"train.loss_chunks={t.loss_chunks} computes the loss in pieces, which "
+                          f"train.loss_kernel={t.loss_kernel} does not; use train.loss_kernel=chunked (or auto), "
+                          "or train.loss_chunks=1")
     if t.loss_chunks > t.seq_len:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")

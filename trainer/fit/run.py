@@ -21,6 +21,7 @@ from trainer.evals.generate import generate_text
 from trainer.fit.nonfinite import NonFiniteGuard
 from trainer.model.gpt import build_model
 from trainer.model.layers import use_attention
+from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.build import build_optimizer, masks_on_device
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
@@ -61,9 +62,10 @@ class Run:
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
         raw_model.loss_chunks = cfg.train.loss_chunks
+        raw_model.loss_kernel = resolve_loss_kernel(cfg.train.loss_kernel, cfg.train.loss_chunks, rt.device)
         use_attention(raw_model, cfg.model.attention)
         # What the run computes with where a key offers several kernels (its provenance records them).
-        self.kernels = {"attention": cfg.model.attention}
+        self.kernels = {"attention": cfg.model.attention, "loss": raw_model.loss_kernel}
         self.model = self.strategy.wrap(raw_model)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.strategy)
         self.mix_weights = mixture_weights(cfg.data)  # None: one dataset

@@ -7,6 +7,7 @@ so that a mistake they catch leaves nothing a later command would take for a run
     train.device=cuda[:N] with no CUDA device
     train.memory_snapshot=true on a run that will not use CUDA (the allocator's history is CUDA's)
     model.attention naming an SDPA kernel the device cannot run for this model's heads and dtype
+    train.loss_kernel=fused off CUDA or without liger-kernel
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
     a model whose weights, gradients and optimizer state cannot fit the device's (or RAM's) memory
@@ -34,6 +35,7 @@ from trainer.config.shape import parameter_count
 from trainer.errors import ConfigError, UserError
 from trainer.io import one_line
 from trainer.model.layers import SDPA_BACKENDS
+from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.registry import check_args, states_of
 from trainer.parallel import strategy_class
 from trainer.parallel.base import compute_dtype
@@ -53,6 +55,7 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
     check_memory_snapshot(cfg, device)
     check_attention(cfg, device)
+    resolve_loss_kernel(cfg.train.loss_kernel, cfg.train.loss_chunks, device)  # fused: CUDA and the extra
     check_model_fits(cfg, world, device)
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
