@@ -54,6 +54,7 @@ REFUSED_RUNS = {
                                        "model.attention=cudnn has no kernel"),
     "fused loss on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.loss_kernel=fused"],
                               "train.loss_kernel=fused runs liger-kernel's Triton kernels"),
+    "unknown float8 recipe": (["hydra.run.dir={run}", "train.float8=e5m2"], "train.float8='e5m2' is unknown"),
 }
 
 

@@ -37,6 +37,7 @@ TRAJECTORY = (
     "optim.",
     "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
+    "train.float8",  # float8 matmuls round what every step computes, as train.dtype does
     # the ids the data holds (data.tokenizer mirrors the `tokenizer` group for the data functions)
     "tokenizer.name", "tokenizer.path", "data.tokenizer.name", "data.tokenizer.path",
 )
@@ -91,6 +92,7 @@ OPERATIONAL = (
 ADDED_KEYS = {
     "data.text_field": "text",
     "data.mix": None,
+    "train.float8": "off",
 }
 
 

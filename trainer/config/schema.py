@@ -37,6 +37,8 @@ MIXED_PRECISION = ("auto", "bf16", "fp32")
 # train.loss_kernel (trainer/model/loss.py): the head's matmul and the cross-entropy as one whole
 # logits tensor (plain), in train.loss_chunks pieces (chunked), or liger-kernel's fused kernel (fused).
 LOSS_KERNELS = ("auto", "plain", "chunked", "fused")
+# train.float8 (trainer/model/float8.py): torchao's float8 matmuls in the blocks' Linear layers.
+FLOAT8_SETTINGS = ("off", "tensorwise", "rowwise", "auto")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim/schedule.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
@@ -273,6 +275,11 @@ class TrainConfig:
     # CUDA only). auto: chunked when loss_chunks > 1, fused on CUDA with the extra installed, else plain
     # (make bench-gpu's loss-kernel rows measure them: docs/performance.md).
     loss_kernel: str = "auto"
+    # float8 matmuls in the blocks' Linear layers through torchao (the `float8` extra; FLOAT8_SETTINGS):
+    # tensorwise or rowwise scaling on every block Linear (CUDA sm89+; a CPU runs torchao's emulation),
+    # or auto: tensorwise on the Linears both of whose dimensions are >= 2048, where a GPU has float8,
+    # else off. The head stays high precision; checkpoints hold high-precision weights.
+    float8: str = "off"
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     # what they continue: a newline fits any corpus, as `dtrain sample`'s default (the Shakespeare
     # presets ask for "ROMEO:")

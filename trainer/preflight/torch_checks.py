@@ -8,6 +8,7 @@ so that a mistake they catch leaves nothing a later command would take for a run
     train.memory_snapshot=true on a run that will not use CUDA (the allocator's history is CUDA's)
     model.attention naming an SDPA kernel the device cannot run for this model's heads and dtype
     train.loss_kernel=fused off CUDA or without liger-kernel
+    train.float8 without torchao or on a GPU older than sm89
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
     a model whose weights, gradients and optimizer state cannot fit the device's (or RAM's) memory
@@ -34,6 +35,7 @@ from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
 from trainer.errors import ConfigError, UserError
 from trainer.io import one_line
+from trainer.model.float8 import resolve_float8
 from trainer.model.layers import SDPA_BACKENDS
 from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.registry import check_args, states_of
@@ -56,6 +58,7 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     check_memory_snapshot(cfg, device)
     check_attention(cfg, device)
     resolve_loss_kernel(cfg.train.loss_kernel, cfg.train.loss_chunks, device)  # fused: CUDA and the extra
+    resolve_float8(cfg.train.float8, device)  # torchao installed, a GPU with float8
     check_model_fits(cfg, world, device)
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
