@@ -91,7 +91,10 @@ def check_layout(cfg, world: int):
 def check_attention(cfg, device: torch.device) -> None:
     """model.attention names a kernel that runs here: tried for real, forward and backward, on a few
     positions of the model's heads (grouped as the model groups them) in the run's compute dtype,
-    since which kernel takes which device, dtype, head width and grouping is SDPA's own knowledge."""
+    since which kernel takes which device, dtype, head width and grouping is SDPA's own knowledge.
+    Only a named kernel is tried (auto needs none). On CUDA the try makes a CUDA context in the
+    process that checks: under dtrain's own launcher that is the launcher, which keeps it (a few
+    hundred MB on the first GPU) while the workers train."""
     name = cfg.model.attention
     if name == "auto":
         return
