@@ -25,6 +25,11 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
 * choices: the settings whose defaults this benchmark chooses, each against dtrain's default step
   of the same model and micro batch: `train.compile_mode=reduce-overhead` (CUDA graphs) and
   `train.loss_chunks=4` (ms per step, allocator peak, loss after the same steps).
+* kernels (scripts/benchmarks/kernels.py, last: the longest): train.loss_kernel plain/chunked/fused,
+  model.attention's SDPA kernels, train.float8 off/tensorwise/rowwise/auto on gpt2_124m, llama_135m
+  and llama3_1b, each trained 100 steps against its group's baseline (tokens/s, MFU, peak memory, the
+  loss gap), and per group the setting its `auto` should resolve to. Its own budget is best:
+  `--sections kernels --budget-s 550`.
 
 Without a CUDA device (and no --device cpu) it prints one line and exits 2: nothing was measured.
 The data: tiny-shakespeare when ../shared/data has it, else the default dataset, prepared on
@@ -53,6 +58,7 @@ import torch  # noqa: E402
 from bench import LOCAL_TINYSHAKESPEARE, prepare_data  # noqa: E402
 from benchmarks.bare import BareLoop  # noqa: E402
 from benchmarks.harness import step_bookkeeping, sync  # noqa: E402
+from benchmarks.kernels import kernel_rows  # noqa: E402
 from benchmarks.memory import PeakMemory  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -71,7 +77,7 @@ BATCHES = {"full": (16, 32, 64), "tiny": (2, 4, 8)}
 SEQ = {"full": 1024, "tiny": 64}
 # The settings whose defaults this benchmark chooses (trainer/config/schema.py TrainConfig), tried one at a time.
 CHOICES = ("train.compile_mode=reduce-overhead", "train.loss_chunks=4")
-SECTIONS = ("memory", "modes", "throughput", "muon", "lion", "mixture", "choices")
+SECTIONS = ("memory", "modes", "throughput", "muon", "lion", "mixture", "choices", "kernels")
 # The mixture row's sources (--mix): the default dataset and tinyshakespeare, prepared when missing.
 MIX = "shakespeare:0.7,tinyshakespeare:0.3"
 
@@ -183,6 +189,8 @@ class Bench:
                 for choice in (c for c in CHOICES if self.compile or "compile_mode" not in c):  # needs compile
                     self.guarded("choices", f"{models[0]} B={mid} {choice}",
                                  lambda c=choice: self.choice(models[0], mid, c), took / 2)
+        if "kernels" in self.args.sections:
+            kernel_rows(self)
         return self.rows
 
     def throughput(self, model: str, batch: int) -> None:

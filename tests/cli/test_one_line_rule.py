@@ -49,6 +49,12 @@ REFUSED_RUNS = {
                                      "train.profile.steps=[3,40] must be two step numbers"),
     "memory snapshot on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.memory_snapshot=true"],
                                    "train.memory_snapshot=true needs a CUDA device"),
+    # issue 50: an SDPA kernel the CPU has not (tried for real before anything is written)
+    "attention kernel the CPU lacks": (["hydra.run.dir={run}", "train.device=cpu", "model.attention=cudnn"],
+                                       "model.attention=cudnn has no kernel"),
+    "fused loss on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.loss_kernel=fused"],
+                              "train.loss_kernel=fused runs liger-kernel's Triton kernels"),
+    "unknown float8 recipe": (["hydra.run.dir={run}", "train.float8=e5m2"], "train.float8='e5m2' is unknown"),
 }
 
 

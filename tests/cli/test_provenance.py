@@ -21,6 +21,7 @@ def test_the_summary_names_what_ran(shared_run):
     assert "ran" not in record["summary"]
     assert ran["dtrain"] == version("dtrain") == trainer.__version__ and ran["torch"] == torch.__version__
     assert ran["world"] == 2 and ran["device_count"] == 2 and ran["device"]
+    assert ran["kernels"]["attention"] == "auto"
     if (REPO / ".git").exists():
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
         assert head.stdout.startswith(ran["git"].removesuffix("-dirty")), ran

@@ -35,7 +35,8 @@ def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
                      "data=text", "data.name=corpus", f"data.dir={data}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["section"] for r in rows} == {"throughput", "muon", "lion", "mixture", "memory", "modes", "choices"}
+    assert {r["section"] for r in rows} == {"throughput", "muon", "lion", "mixture", "memory", "modes", "choices",
+                                            "kernels"}
     for section in ("muon", "lion", "mixture"):  # each against AdamW's step on one dataset
         (row,) = [r for r in rows if r["section"] == section]
         assert row["figures"]["ms"] > 0 and row["figures"]["default_ms"] > 0, row
@@ -47,6 +48,19 @@ def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
     modes = [r for r in rows if r["section"] == "modes"]
     assert len(modes) == len(STRATEGIES) and all(r["ratio"] == "ok" or "skipped" in r["dtrain"] for r in modes), modes
     assert "dtrain on cpu, torch" in proc.stdout
+    kernels = {r["case"]: r for r in rows if r["section"] == "kernels"}
+    for case in ("tiny B=4x64 train.loss_kernel=chunked train.loss_chunks=4", "llama_tiny B=4x64 model.attention=flash",
+                 "llama_tiny B=4x64 train.float8=rowwise"):  # measured against their group's baseline
+        figures = kernels[case]["figures"]
+        assert figures["tokens_per_s"] > 0 and figures["peak_bytes"] > 0 and figures["steps"] == 4, case
+        assert abs(figures["loss_gap"]) < 0.01, case
+    assert kernels["llama_tiny B=4x64 train.float8=rowwise"]["figures"]["kernels"]["float8"] == "rowwise (8 layers)"
+    # what a CPU cannot run is the line a run would print
+    fused = kernels["tiny B=4x64 train.loss_kernel=fused"]["dtrain"]
+    assert "refused: train.loss_kernel=fused runs liger-kernel" in fused
+    assert "refused: model.attention=cudnn" in kernels["tiny B=4x64 model.attention=cudnn"]["dtrain"]
+    assert kernels["tiny loss pick"]["dtrain"].startswith("train.loss_kernel=")
+    assert {f"{m} {g} pick" for m in ("tiny", "llama_tiny") for g in ("attention", "float8")} < set(kernels)
 
 
 @pytest.mark.slow

@@ -32,6 +32,9 @@ from trainer.preflight.rundir import write_config_record
 
 DCP = "torch.distributed.checkpoint"
 OTHER_MODES = [f"trainer.parallel.{name}" for name in ("ddp", "dp", "fsdp", "hsdp", "zero", "zero_torch")]
+# The optional kernels' packages (issue 50): imported only by a run whose train.float8 or
+# train.loss_kernel=fused asks for them
+OPTIONAL_KERNELS = ["torchao", "liger_kernel"]
 
 # Loaded by every process the test starts (PYTHONPATH): the first import of each watched module
 # appends {"module", "stack"} to $DTRAIN_TEST_IMPORTS; at exit, which of them the process holds.
@@ -86,7 +89,8 @@ def test_the_one_process_run_path_imports_no_checkpoint_or_other_mode(tmp_path):
     """What a one-process run imports before its first step: the worker, the loop, the launch checks
     (the memory plan's meta model included), parallel=none's Strategy. Neither DCP, nor another mode's
     module, nor torch._dynamo (the optimizer imports that one later, see docs/performance.md)."""
-    env, log = watched_env(tmp_path, [DCP, "torch.distributed.tensor", "torch._dynamo", *OTHER_MODES])
+    env, log = watched_env(tmp_path, [DCP, "torch.distributed.tensor", "torch._dynamo", *OTHER_MODES,
+                                      *OPTIONAL_KERNELS])
     code = ("import trainer.fit.worker, trainer.commands.train\n"
             "from trainer.config.compose import compose\n"
             "from trainer.plan.memory import checkpoint_bytes\n"
@@ -102,7 +106,7 @@ def test_the_one_process_run_path_imports_no_checkpoint_or_other_mode(tmp_path):
 @pytest.mark.slow
 def test_a_one_process_run_imports_dcp_only_to_save(data_dir, tmp_path):
     """A real 1-step run: its step is logged, then its end-of-run save is what imports DCP."""
-    env, log = watched_env(tmp_path, [DCP, *OTHER_MODES])
+    env, log = watched_env(tmp_path, [DCP, *OTHER_MODES, *OPTIONAL_KERNELS])
     proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "train.max_steps=1", "checkpoint.interval=0"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 1/1" in proc.stdout

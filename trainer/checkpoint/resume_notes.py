@@ -10,7 +10,8 @@ per worker (how a matmul or a reduction is split between threads: a crashed run 
 thread instead of 2 differed from the uninterrupted run in the 8th digit of its best val loss), the
 world size and parallel mode (how gradients are reduced across ranks), the micro batch and
 accumulation that make the same global batch, the gradient buckets of DDP and ZeRO at world > 1,
-torch.compile (fused kernels), the loss's pieces (train.loss_chunks) and the device. Activation
+torch.compile (fused kernels), the loss's pieces and kernel (train.loss_chunks, train.loss_kernel),
+the attention's kernel (model.attention) and the device. Activation
 checkpointing recomputes the same ops in the same order and keeps the weights bitwise (measured), so
 it is not among them. Every checkpoint records what its run ran with (trainer_state.json: the fields
 of SUM_ORDER); a continuation that runs otherwise says so in one line: its losses are not bitwise
@@ -39,6 +40,8 @@ SUM_ORDER = {
     "bucket_cap_mb": "parallel.bucket_cap_mb",
     "compile": "train.compile",
     "loss_chunks": "train.loss_chunks",
+    "loss_kernel": "train.loss_kernel",
+    "attention": "model.attention",
 }
 BATCH_SPLIT = ("micro_batch_size", "grad_accum_steps")  # compared only under the same global batch
 
@@ -54,7 +57,8 @@ def ran_with(cfg, rt, plan, threads: int) -> dict:
             "micro_batch_size": plan.micro_batch_size, "seq_len": plan.seq_len,
             "grad_accum_steps": plan.grad_accum_steps, "device": device,
             "threads_per_worker": threads if device == "cpu" else None, "bucket_cap_mb": cfg.parallel.bucket_cap_mb,
-            "compile": cfg.train.compile_mode if cfg.train.compile else False, "loss_chunks": cfg.train.loss_chunks}
+            "compile": cfg.train.compile_mode if cfg.train.compile else False, "loss_chunks": cfg.train.loss_chunks,
+            "loss_kernel": cfg.train.loss_kernel, "attention": cfg.model.attention}
 
 
 def sum_order_changes(saved: dict, now: dict) -> list[str]:

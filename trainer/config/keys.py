@@ -11,8 +11,10 @@
   unless the change takes floating-point sums in another order (threads, world, mode, compile, loss
   pieces: within ~1e-5 on CPU, and the resume says so: trainer/checkpoint/resume_notes.py).
 
-An entry ending in "." covers a whole section. tests/cli/test_rundir.py fails when a key of the
-schema is in neither table (or in both). Torch-free, like the schema.
+An entry ending in "." covers a whole section; a key matched in both tables takes the kind of the
+longer entry (model.attention, an operational key inside the trajectory section model.).
+tests/cli/test_rundir.py fails when a key of the schema is in neither table (or an entry in both).
+Torch-free, like the schema.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ TRAJECTORY = (
     "optim.",
     "train.seed", "train.max_steps", "train.micro_batch_size", "train.seq_len", "train.total_batch_size",
     "train.grad_accum_steps", "train.dtype", "train.on_nonfinite", "train.max_nonfinite",
+    "train.float8",  # float8 matmuls round what every step computes, as train.dtype does
     # the ids the data holds (data.tokenizer mirrors the `tokenizer` group for the data functions)
     "tokenizer.name", "tokenizer.path", "data.tokenizer.name", "data.tokenizer.path",
 )
@@ -61,7 +64,9 @@ OPERATIONAL = (
     # launched: any world size and mode reshard the checkpoint; compile (and its mode), activation
     # checkpointing and the loss's pieces change how the same steps run (to rounding), not which
     "world", "parallel.", "launch.", "resume", "sweep.", "train.device", "train.compile",
-    "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks",
+    "train.activation_checkpointing", "train.compile_mode", "train.loss_chunks", "train.loss_kernel",
+    # which SDPA kernel computes attention: the same weights and the same attention, to rounding
+    "model.attention",
     # watched
     "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
     "train.profile.", "train.memory_snapshot",
@@ -87,6 +92,7 @@ OPERATIONAL = (
 ADDED_KEYS = {
     "data.text_field": "text",
     "data.mix": None,
+    "train.float8": "off",
 }
 
 
@@ -120,17 +126,22 @@ def is_weight(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
+def _longest_match(key: str, entries: tuple[str, ...]) -> int:
+    """The length of the longest entry that covers `key` (0: none does)."""
+    return max((len(e) for e in entries if key == e or (e.endswith(".") and key.startswith(e))), default=0)
+
+
 def _matches(key: str, entries: tuple[str, ...]) -> bool:
-    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
+    return _longest_match(key, entries) > 0
 
 
 def key_kind(key: str) -> str | None:
-    """"trajectory", "operational", or None for a key in neither table (a dotted config key)."""
-    if _matches(key, TRAJECTORY):
-        return "trajectory"
-    if _matches(key, OPERATIONAL):
-        return "operational"
-    return None
+    """"trajectory", "operational", or None for a key in neither table (a dotted config key). The
+    longer matching entry decides: `model.attention` is operational inside the trajectory `model.`."""
+    trajectory, operational = _longest_match(key, TRAJECTORY), _longest_match(key, OPERATIONAL)
+    if not trajectory and not operational:
+        return None
+    return "trajectory" if trajectory > operational else "operational"
 
 
 def is_operational(key: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from trainer.config.schema import MLPS, NORMS, POSITIONS
+from trainer.config.schema import ATTENTION_BACKENDS, MLPS, NORMS, POSITIONS
 from trainer.config.shape import mlp_width, parameter_count
 from trainer.errors import ConfigError
 
@@ -17,7 +17,7 @@ MAX_PARAMETERS = 10**15
 
 def check_block(m: DictConfig) -> None:
     """The block options name known choices and fit together (model.*)."""
-    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS), ("attention", ATTENTION_BACKENDS)):
         if m[key] not in choices:
             raise ConfigError(f"model.{key}={m[key]!r} is unknown; choose one of {', '.join(choices)}")
     if m.n_embd % m.n_head:

@@ -34,6 +34,11 @@ ON_NONFINITE = ("stop", "skip", "rollback")
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("auto", "bf16", "fp32")
+# train.loss_kernel (trainer/model/loss.py): the head's matmul and the cross-entropy as one whole
+# logits tensor (plain), in train.loss_chunks pieces (chunked), or liger-kernel's fused kernel (fused).
+LOSS_KERNELS = ("auto", "plain", "chunked", "fused")
+# train.float8 (trainer/model/float8.py): torchao's float8 matmuls in the blocks' Linear layers.
+FLOAT8_SETTINGS = ("off", "tensorwise", "rowwise", "auto")
 SCHEDULES = ("cosine", "wsd", "linear")  # trainer/optim/schedule.py lr_at
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("auto", "bfloat16", "float32")
@@ -45,6 +50,9 @@ INIT_FROM_REQUIRED = "REQUIRED"
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu", "relu2")
+# model.attention: the SDPA kernels the model's attention may use (torch.nn.attention.sdpa_kernel).
+# auto lets SDPA choose per call; flash and math run on CPU too, efficient and cudnn need CUDA.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 # torch.manual_seed and torch.Generator.manual_seed take seeds up to 2**64 - 1 (a larger one is
@@ -117,6 +125,10 @@ class ModelConfig:
     n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads (null = n_head)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (before RoPE), as OLMo 2 and Qwen3
     tie_embeddings: bool = True  # the output head shares the token embedding (GPT-2 ties; Llama does not)
+    # Which SDPA kernel computes attention (ATTENTION_BACKENDS). Not a shape: the weights are the same
+    # under each, so checkpoints, continuations and exports ignore it (trainer/config/keys.py: operational).
+    # auto: SDPA's own choice per call, until make bench-gpu has measured the best per device and shape.
+    attention: str = "auto"
     # Start a new run (step 0, fresh optimizer and data) from these weights: a Hugging Face GPT-2
     # folder, a dtrain run directory (its newest checkpoint) or a step_* folder. The group's shape
     # must be the source's. Not resume: a run dir with its own checkpoint continues from that.
@@ -278,6 +290,16 @@ class TrainConfig:
     # whole. 1 = one piece (the logits of the whole micro batch at once), as make bench-gpu chose it
     # (its figures, time against memory: docs/performance.md).
     loss_chunks: int = 1
+    # How the head's logits become the loss (LOSS_KERNELS): plain holds B x T x vocab logits; chunked
+    # computes them in loss_chunks pieces; fused is liger-kernel's Triton kernel (the `fused` extra,
+    # CUDA only). auto: chunked when loss_chunks > 1, fused on CUDA with the extra installed, else plain
+    # (make bench-gpu's loss-kernel rows measure them: docs/performance.md).
+    loss_kernel: str = "auto"
+    # float8 matmuls in the blocks' Linear layers through torchao (the `float8` extra; FLOAT8_SETTINGS):
+    # tensorwise or rowwise scaling on every block Linear (CUDA sm89+; a CPU runs torchao's emulation),
+    # or auto: tensorwise on the Linears both of whose dimensions are >= 2048, where a GPU has float8,
+    # else off. The head stays high precision; checkpoints hold high-precision weights.
+    float8: str = "off"
     sample_tokens: int = 64  # tokens generated at the end of training (0 = none)
     # what they continue: a newline fits any corpus, as `dtrain sample`'s default (the Shakespeare
     # presets ask for "ROMEO:")

@@ -16,9 +16,11 @@ from trainer.config.model_checks import check_block, check_expert_parallel, chec
 from trainer.config.schema import (
     COMPILE_MODES,
     DTYPES,
+    FLOAT8_SETTINGS,
     GROUP_SCHEMAS,
     INIT_FROM_REQUIRED,
     LOGGERS,
+    LOSS_KERNELS,
     MAX_SAMPLE_TOKENS,
     MAX_SEED,
     MIXED_PRECISION,
@@ -239,6 +241,17 @@ def validate(cfg: DictConfig) -> None:
     if t.compile_mode != "default" and not t.compile:
         raise ConfigError(f"train.compile_mode={t.compile_mode} needs train.compile=true "
                           "(or leave compile_mode=default)")
+    if t.float8 not in FLOAT8_SETTINGS:
+        raise ConfigError(f"train.float8={t.float8!r} is unknown; choose one of {', '.join(FLOAT8_SETTINGS)}")
+    if t.float8 != "off" and p.tp > 1:
+        raise ConfigError(f"train.float8={t.float8} with parallel.tp={p.tp}: tensor parallelism of float8 layers "
+                          "is not built; use train.float8=off or parallel.tp=1")
+    if t.loss_kernel not in LOSS_KERNELS:
+        raise ConfigError(f"train.loss_kernel={t.loss_kernel!r} is unknown; choose one of {', '.join(LOSS_KERNELS)}")
+    if t.loss_chunks > 1 and t.loss_kernel in ("plain", "fused"):
+        raise ConfigError(f"train.loss_chunks={t.loss_chunks} computes the loss in pieces, which "
+                          f"train.loss_kernel={t.loss_kernel} does not; use train.loss_kernel=chunked (or auto), "
+                          "or train.loss_chunks=1")
     if t.loss_chunks > t.seq_len:
         raise ConfigError(f"train.loss_chunks={t.loss_chunks} exceeds train.seq_len={t.seq_len}: a piece needs at "
                           f"least one position; use train.loss_chunks={t.seq_len} or fewer")

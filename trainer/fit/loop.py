@@ -162,7 +162,7 @@ class Trainer:
                     rollbacks=guard.rollbacks,
                     train_s=state.train_s,
                     excluded_s=dict(state.excluded_s),
-                    ran=what_ran(rt) if rt.is_main else {},
+                    ran=what_ran(rt, run.kernels) if rt.is_main else {},
                     target=watch.record(state),
                     tokens_by_source=run.tokens_by_source(),
                 )

@@ -20,7 +20,10 @@ from trainer.data.val_set import ValidationSet
 from trainer.evals.generate import generate_text
 from trainer.fit.experts import ExpertStats
 from trainer.fit.nonfinite import NonFiniteGuard
+from trainer.model.float8 import convert_float8, resolve_float8
 from trainer.model.gpt import build_model
+from trainer.model.layers import use_attention
+from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.build import build_optimizer, masks_on_device
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
@@ -60,7 +63,15 @@ class Run:
         self.strategy = make_strategy(cfg.parallel, cfg.train, rt)
         raw_model = build_model(cfg.model)
         raw_model.activation_checkpointing = cfg.train.activation_checkpointing
+        # float8 before the strategy wraps the model (FSDP, DDP) and before torch.compile
+        float8 = resolve_float8(cfg.train.float8, rt.device)
+        self.float8_layers = convert_float8(raw_model, float8, rt.device)
         raw_model.loss_chunks = cfg.train.loss_chunks
+        raw_model.loss_kernel = resolve_loss_kernel(cfg.train.loss_kernel, cfg.train.loss_chunks, rt.device)
+        use_attention(raw_model, cfg.model.attention)
+        # What the run computes with where a key offers several kernels (its provenance records them).
+        self.kernels = {"attention": cfg.model.attention, "loss": raw_model.loss_kernel,
+                        "float8": f"{float8} ({len(self.float8_layers)} layers)" if float8 != "off" else "off"}
         self.model = self.strategy.wrap(raw_model)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.strategy)
         self.mix_weights = mixture_weights(cfg.data)  # None: one dataset

@@ -11,9 +11,10 @@ from trainer.config.schema import ModelConfig, MoEConfig
 from trainer.config.shape import mlp_width
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 
-# ModelConfig's keys that say which preset a run names and where its first weights come from, not
-# what shape the model has.
-NOT_SHAPE = ("name", "init_from")
+# ModelConfig's keys that say which preset a run names, where its first weights come from and which
+# kernel computes attention (the same weights under each: set on the layers by
+# trainer/model/layers.py use_attention), not what shape the model has.
+NOT_SHAPE = ("name", "init_from", "attention")
 # The schema's default vocab_size is the tokenizer's, read when the config resolves: GPT-2's here.
 RESOLVED_DEFAULTS = {"vocab_size": TOKENIZER_VOCAB_SIZE}
 

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from trainer.model.config import GPTConfig
 from trainer.model.kv_cache import CacheStep
 from trainer.model.layers import Block, make_norm, rotary_tables
-from trainer.model.loss import chunked_cross_entropy
+from trainer.model.loss import chunked_cross_entropy, fused_cross_entropy
 from trainer.model.moe import GroupedExperts, MoEFeedForward, is_moe_layer
 
 # What each parameter is to the optimizer (trainer/optim/build.py): Muon takes the hidden matrices.
@@ -40,7 +40,10 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self.activation_checkpointing = False
-        self.loss_chunks = 1  # train.loss_chunks: > 1 computes the loss in pieces (trainer/model/loss.py)
+        # train.loss_kernel as resolved (trainer/model/loss.py): plain (the whole logits), chunked (in
+        # loss_chunks pieces; loss_chunks > 1 alone means it too) or fused (liger-kernel's, on CUDA)
+        self.loss_kernel = "plain"
+        self.loss_chunks = 1
         # parallel.cp > 1 (trainer/parallel/context_parallel.py): a forward with targets computes this
         # rank's share of each sequence; forwards without (decoding, scoring) run whole on every rank.
         self.sequence_split = None
@@ -118,7 +121,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, cache: CacheStep | None = None, per_token: bool = False):
-        """(logits, loss); with targets and loss_chunks > 1, (None, loss); `per_token` (with targets):
+        """(logits, loss); with targets and a loss kernel that never makes the whole logits (chunked,
+        fused), (None, loss); `per_token` (with targets):
         (None, each position's loss, flattened), what bits per byte weighs by the targets' bytes.
         `logits_at` (B,) without targets: only the logits of that one position of each row,
         (B, 1, vocab), all that decoding needs (the largest matmul skips the other rows); (B, K):
@@ -158,7 +162,9 @@ class GPT(nn.Module):
             x = x[rows, logits_at].unsqueeze(1) if logits_at.dim() == 1 else x[rows.unsqueeze(1), logits_at]
         if targets is None:
             return self._inference_logits(x)[..., : self.config.vocab_size], None
-        if self.loss_chunks > 1:  # the logits are never whole: none to return
+        if self.loss_kernel == "fused":  # the logits are never whole: none to return
+            logits, loss = None, fused_cross_entropy(x, self.lm_head.weight, targets, per_token)
+        elif self.loss_kernel == "chunked" or self.loss_chunks > 1:
             logits, loss = None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunks, per_token)
         else:
             logits = self.lm_head(x)

@@ -14,12 +14,17 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.model.config import GPTConfig
 
 # torch < 2.5 has no enable_gqa: there the shared key/value heads are repeated instead.
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
+
+# model.attention's kernels (trainer/config/schema.py ATTENTION_BACKENDS; auto: none named, SDPA chooses).
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 # A layer's scaled dot-product attention: (q, k, v, mask, causal) -> output, GQA and dropout applied.
 AttentionCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool], torch.Tensor]
@@ -72,6 +77,8 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.qk_norm = config.qk_norm
+        # model.attention's kernel (use_attention); None: SDPA picks per call (auto)
+        self.backend: SDPBackend | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv: KeyValues | None = None) -> torch.Tensor:
@@ -100,11 +107,22 @@ class CausalSelfAttention(nn.Module):
             repeat = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             grouped = False
-        # SDPA picks flash / memory-efficient kernels where the device has them.
         extra = {"enable_gqa": True} if grouped else {}
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, **extra
-        )
+        dropout = self.dropout if self.training else 0.0
+        # A padding mask (batched decoding) or a context-parallel causal bias: SDPA's choice, since
+        # flash and cuDNN take no arbitrary mask; model.attention names the kernel of the plain causal calls.
+        if self.backend is None or mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, **extra)
+        with sdpa_kernel(self.backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout, **extra)
+
+
+def use_attention(model: nn.Module, backend: str) -> None:
+    """Every attention layer of `model` computes with model.attention's kernel (`auto`: SDPA's own
+    choice per call, kept until make bench-gpu has measured a better one per device and shape)."""
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            module.backend = SDPA_BACKENDS.get(backend)
 
 
 class MLP(nn.Module):

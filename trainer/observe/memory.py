@@ -78,8 +78,9 @@ def out_of_memory_line(cfg, step: int, rank: int, peak: int | None, total: int |
     fixes = []
     if t.micro_batch_size > 1:
         fixes.append(f"train.micro_batch_size={max(1, t.micro_batch_size // 2)}")
-    if t.loss_chunks == 1:
-        fixes.append("train.loss_chunks=4")
+    if t.loss_chunks == 1 and t.loss_kernel != "fused":  # plain's whole logits are refused with pieces
+        pieces = "train.loss_chunks=4"
+        fixes.append(pieces if t.loss_kernel != "plain" else f"train.loss_kernel=chunked {pieces}")
     if not t.activation_checkpointing:
         fixes.append("train.activation_checkpointing=true")
     if mode not in ("fsdp", "hsdp"):

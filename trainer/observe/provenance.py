@@ -1,7 +1,8 @@
 """What produced a run's figures, for its summary (metrics.jsonl, the sweep table, `dtrain report`):
 dtrain's version and, when it runs from a git checkout, the commit (`-dirty` with local changes);
-torch's version; the device's name and how many the job used; the world size. A table of results
-then says what made each row."""
+torch's version; the device's name and how many the job used; the world size; the kernels the run
+chose where a key offers several (model.attention's SDPA kernel, ...). A table of results then says
+what made each row."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ from trainer.process.runtime import Runtime
 SOURCE_DIR = Path(__file__).resolve().parents[2]
 
 
-def what_ran(rt: Runtime) -> dict:
-    """{"dtrain", "git", "torch", "device", "device_count", "world"} for this job (rank 0 calls it
-    once, at the end of the run)."""
+def what_ran(rt: Runtime, kernels: dict) -> dict:
+    """{"dtrain", "git", "torch", "device", "device_count", "world", "kernels"} for this job (rank 0
+    calls it once, at the end of the run); `kernels`: trainer/fit/run.py Run.kernels."""
     if rt.device.type == "cuda":
         device, count = torch.cuda.get_device_name(rt.device), rt.world
     else:
         device, count = _cpu_name(), rt.world  # one CPU process per rank
     return {"dtrain": trainer.__version__, "git": git_commit(SOURCE_DIR), "torch": torch.__version__,
-            "device": device, "device_count": count, "world": rt.world}
+            "device": device, "device_count": count, "world": rt.world, "kernels": kernels}
 
 
 def describe(ran: dict) -> str:

@@ -38,7 +38,9 @@ a = 2 bytes: matmul outputs in bf16; q/k/v, o and the MLP's widths from the bloc
   incoming and outgoing fp32 gradients beside it (12 bytes per logit); compiled keeps the bf16
   logits and the backward holds an fp32 and a bf16 gradient (8 bytes per logit). With
   train.loss_chunks=k one piece's logits at a time (16 bytes per logit of B x T / k positions on
-  CUDA, 12 on a CPU) plus the input's gradient (4 C per token) and the head weight's (fp32).
+  CUDA, 12 on a CPU) plus the input's gradient (4 C per token) and the head weight's (fp32);
+  train.loss_kernel=chunked the same, and fused as chunked in pieces of B x T x C / V positions
+  (liger-kernel's chunk size). auto counts as plain (whether it is fused depends on the install).
 * bf16 copies of the weights (autocast keeps them for the backward), fused AdamW (no temporaries).
 * train.activation_checkpointing: each block keeps its fp32 input; one block's activations are
   rebuilt at a time in the backward.
@@ -371,8 +373,11 @@ def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: i
         blocks = L * C * residual * tokens + block
     else:
         blocks = L * block
-    chunks = t.get("loss_chunks", 1)
-    if chunks > 1:
+    chunks, kernel = t.get("loss_chunks", 1), t.get("loss_kernel", "auto")
+    if kernel == "fused":
+        # liger-kernel's rows per piece: about B x T x n_embd / vocab (its chunk size)
+        chunks = -(-V // C)
+    if chunks > 1 or kernel in ("chunked", "fused"):
         # one piece's logits at a time (fp32 scores, softmax, gradient), and the gradients the
         # forward made: the head input's (fp32 under autocast) and the weight's (fp32)
         per_logit = CUDA_CHUNK_PER_LOGIT if device_type == "cuda" else HEAD_ACT_PER_V * 4

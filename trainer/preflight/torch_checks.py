@@ -6,6 +6,9 @@ so that a mistake they catch leaves nothing a later command would take for a run
     optim.name's registration and its optim.args (trainer/optim/registry.py)
     train.device=cuda[:N] with no CUDA device
     train.memory_snapshot=true on a run that will not use CUDA (the allocator's history is CUDA's)
+    model.attention naming an SDPA kernel the device cannot run for this model's heads and dtype
+    train.loss_kernel=fused off CUDA or without liger-kernel
+    train.float8 without torchao or on a GPU older than sm89
     resume=PATH naming another model's checkpoint
     logger=wandb with no W&B credentials
     a model whose weights, gradients and optimizer state cannot fit the device's (or RAM's) memory
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
+from torch.nn.attention import sdpa_kernel
 
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from trainer.checkpoint.records import check_model_config, read_checkpoint_config
@@ -29,8 +35,12 @@ from trainer.config.schema import tracker_names
 from trainer.config.shape import parameter_count
 from trainer.errors import ConfigError, UserError
 from trainer.io import one_line
+from trainer.model.float8 import resolve_float8
+from trainer.model.layers import SDPA_BACKENDS
+from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.registry import check_args, states_of
 from trainer.parallel import strategy_class
+from trainer.parallel.base import compute_dtype
 from trainer.plan.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
 from trainer.process.runtime import pick_device
 
@@ -46,6 +56,9 @@ def check_with_torch(cfg, world: int, run_dir: Path | None = None) -> None:
     check_args(cfg.optim)  # finds the optimizer's registration, or says why not
     device = pick_device(cfg.train.device, 0)  # ConfigError when CUDA is asked for and there is none
     check_memory_snapshot(cfg, device)
+    check_attention(cfg, device)
+    resolve_loss_kernel(cfg.train.loss_kernel, cfg.train.loss_chunks, device)  # fused: CUDA and the extra
+    resolve_float8(cfg.train.float8, device)  # torchao installed, a GPU with float8
     check_model_fits(cfg, world, device)
     check_resume_model(cfg)
     if "wandb" in tracker_names(cfg.logger):
@@ -73,6 +86,39 @@ def check_layout(cfg, world: int):
     # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
     strategy.check_world(shape.dp_world)
     return strategy, shape
+
+
+def check_attention(cfg, device: torch.device) -> None:
+    """model.attention names a kernel that runs here: tried for real, forward and backward, on a few
+    positions of the model's heads (grouped as the model groups them) in the run's compute dtype,
+    since which kernel takes which device, dtype, head width and grouping is SDPA's own knowledge.
+    Only a named kernel is tried (auto needs none). On CUDA the try makes a CUDA context in the
+    process that checks: under dtrain's own launcher that is the launcher, which keeps it (a few
+    hundred MB on the first GPU) while the workers train."""
+    name = cfg.model.attention
+    if name == "auto":
+        return
+    runnable = [other for other in SDPA_BACKENDS if _attention_runs(other, cfg, device)]
+    if name not in runnable:
+        dtype = str(compute_dtype(cfg.train.dtype, device)).removeprefix("torch.")
+        raise ConfigError(f"model.attention={name} has no kernel for this model on {device.type} ({dtype}, head "
+                          f"width {cfg.model.n_embd // cfg.model.n_head}); choose model.attention=auto or one "
+                          f"of {', '.join(runnable) or 'none'}")
+
+
+def _attention_runs(name: str, cfg, device: torch.device) -> bool:
+    m = cfg.model
+    dtype, head_dim, kv_heads = compute_dtype(cfg.train.dtype, device), m.n_embd // m.n_head, m.n_kv_head or m.n_head
+    q = torch.zeros(1, m.n_head, 8, head_dim, dtype=dtype, device=device, requires_grad=True)
+    kv = torch.zeros(1, kv_heads, 8, head_dim, dtype=dtype, device=device)
+    grouped = {"enable_gqa": True} if kv_heads != m.n_head else {}
+    try:
+        with sdpa_kernel(SDPA_BACKENDS[name]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA's warning per kernel it could not use
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, dropout_p=m.dropout, **grouped).sum().backward()
+    except RuntimeError:  # "No viable backend for scaled_dot_product_attention was found", with its warnings
+        return False
+    return True
 
 
 def check_memory_snapshot(cfg, device: torch.device) -> None:
