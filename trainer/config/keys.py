@@ -93,6 +93,14 @@ ADDED_KEYS = {
     "data.text_field": "text",
     "data.mix": None,
     "train.float8": "off",
+    # a dense model (the mixture-of-experts group's defaults)
+    "model.moe.num_experts": 0,
+    "model.moe.top_k": 2,
+    "model.moe.num_shared_experts": 0,
+    "model.moe.expert_hidden": None,
+    "model.moe.every": 1,
+    "model.moe.aux_loss_coef": 0.001,
+    "model.moe.norm_topk_prob": True,
 }
 
 
