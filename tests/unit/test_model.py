@@ -3,6 +3,7 @@ import math
 import torch
 from omegaconf import OmegaConf
 
+from trainer.config.compose import compose
 from trainer.config.schema import ModelConfig
 from trainer.config.shape import parameter_count
 from trainer.model.config import GPTConfig
@@ -185,3 +186,18 @@ def test_head_dim_apart_from_the_width_builds_trains_and_decodes():
         step, _ = model(idx[:1, 20:21], cache=cache.step(None, 1))
     torch.testing.assert_close(prefill, full[:, :20], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step[0, 0], full[0, 20], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_presets_have_the_published_counts():
+    """Hand counts of the published shapes: Qwen3-30B-A3B (30.5B, 3.3B active: 48 layers of 4096-wide
+    q, two 512-wide k/v, o, QK-norm, two norms, a router and 128 experts of 3 x 768 x 2048, plus the
+    untied 151936 x 2048 embedding and head) and Qwen3-0.6B (0.6B, tied)."""
+    attn = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 2 * 128 + 2 * 2048
+    layer, active = attn + 128 * 2048 + 128 * 3 * 768 * 2048, attn + 128 * 2048 + 8 * 3 * 768 * 2048
+    outer = 2 * 151936 * 2048 + 2048
+    moe = compose(["model=qwen3_30b_a3b"]).model
+    assert parameter_count(moe) == 48 * layer + outer == 30_532_122_624
+    with torch.device("meta"):
+        assert GPT(GPTConfig.from_cfg(moe)).active_params() == 48 * active + outer == 3_353_032_704
+    dense = 1024 * (2048 + 2 * 1024) + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 128 + 2 * 1024
+    assert parameter_count(compose(["model=qwen3_0_6b"]).model) == 28 * dense + 151936 * 1024 + 1024 == 596_049_920
