@@ -47,7 +47,8 @@ def hf_llama_folder(folder: Path, family: str = "llama", **overrides) -> Path:
     """A transformers model of llama_tiny's shape with random weights, saved by save_pretrained."""
     config_class, _, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**HF_SHAPE, **overrides))
+    config = getattr(transformers, config_class)(**{**HF_SHAPE, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config)
     perturbed(model).save_pretrained(folder)
     return folder
 
@@ -143,6 +144,28 @@ def test_init_from_a_transformers_folder_gives_its_logits(family, pad, tmp_path)
         assert torch.allclose(head[VOCAB:], head[:VOCAB].double().mean(0).float().expand(50304 - VOCAB, -1))
 
 
+def test_a_qwen3_head_dim_apart_from_the_width_round_trips(tmp_path):
+    """Qwen3's heads are wider than hidden / heads (0.6B: 16 x 128 on 1024): a transformers
+    Qwen3ForCausalLM with 4 heads of 32 on a 64-wide stream loads into model.head_dim=32 with its
+    logits, and the export is a Qwen3ForCausalLM with head_dim 32 and the same logits. Without
+    model.head_dim the group does not describe the source: one error naming the key to set."""
+    folder = hf_llama_folder(tmp_path / "qwen3", "qwen3", head_dim=32)
+    with pytest.raises(ConfigError, match="set model.head_dim=32"):
+        check_init_source(str(folder), compose(["model=llama_tiny", "model.qk_norm=true"]).model)
+    model = loaded_model(folder, "model.qk_norm=true", "model.head_dim=32", model="llama_tiny")
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (4 * 32 + 2 * 2 * 32, 64)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    x = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(5))
+    assert max_diff(model, reference, x) < 1e-5
+    out = tmp_path / "export"
+    out.mkdir()
+    safetensors_torch.save_file(to_hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model)))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == "Qwen3ForCausalLM" and exported.config.head_dim == 32
+    assert max_diff(model, exported, x) < 1e-5
+
+
 def test_sharded_folder_and_llama_model_names(tmp_path):
     """The Hub's other layouts: shards listed by model.safetensors.index.json, and a LlamaModel save
     whose names lack `model.` (its head, untied, still `lm_head.weight`)."""
@@ -222,8 +245,7 @@ def test_init_from_mismatches_are_one_line_and_write_nothing(llama_run, data_dir
 def test_unsupported_llama_variants_are_named(tmp_path):
     llama_tiny = compose(["model=llama_tiny"]).model
     for overrides, needle in ((dict(hidden_act="gelu"), "hidden_act=gelu"),
-                              (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type=linear"),
-                              (dict(head_dim=32), "head_dim=32")):
+                              (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type=linear")):
         folder = tmp_path / needle
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"")

@@ -275,11 +275,20 @@ def test_write_errors_as_user_errors_leaves_other_errors_alone(tmp_path):
     ("model.rope_theta=-1", "model.rope_theta=-1.0 must be positive"),
     ("model.mlp_hidden=0", "model.mlp_hidden=0 must be at least 1 (or null: 4 x n_embd, or Llama's rule"),
     ("model.n_kv_head=0", "model.n_kv_head=0 must be at least 1 (or null: n_head)"),
+    ("model.head_dim=0", "model.head_dim=0 must be at least 1 (or null: n_embd / n_head)"),
+    ("model.head_dim=15", "each head has model.head_dim=15, an odd number; choose an even model.head_dim"),
 ])
 def test_block_options_are_checked(override, needle):
     with pytest.raises(ConfigError, match=None) as err:
         validate(compose(["model=llama_tiny", override]))
     assert needle in str(err.value)
+
+
+def test_head_dim_frees_the_width_from_the_heads():
+    """With model.head_dim set, n_head need not divide n_embd (Qwen3: 32 heads of 128 on 2048)."""
+    validate(compose(["model=llama_tiny", "model.n_head=3", "model.n_kv_head=1", "model.head_dim=16"]))
+    with pytest.raises(ConfigError, match="model.n_embd=64 is not divisible by model.n_head=3; .*model.head_dim"):
+        validate(compose(["model=llama_tiny", "model.n_head=3", "model.n_kv_head=1"]))
 
 
 def test_every_model_preset_is_valid_and_builds_on_meta():

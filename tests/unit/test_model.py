@@ -3,9 +3,13 @@ import math
 import torch
 from omegaconf import OmegaConf
 
+from trainer.config.compose import compose
+from trainer.config.schema import ModelConfig
+from trainer.config.shape import parameter_count
 from trainer.model.config import GPTConfig
 from trainer.model.decode import Sampling, generate
 from trainer.model.gpt import GPT
+from trainer.model.kv_cache import KVCache
 from trainer.model.layers import apply_rotary, rotary_tables
 from trainer.optim.build import param_groups
 from trainer.optim.schedule import lr_at
@@ -148,3 +152,52 @@ def test_rope_scores_depend_on_relative_position_and_the_future_does_not_leak():
         return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
     assert torch.allclose(score(5, 2), score(13, 10), atol=1e-5)  # only i - j matters
     assert not torch.allclose(score(5, 2), score(5, 3), atol=1e-3)
+
+
+def test_head_dim_apart_from_the_width_builds_trains_and_decodes():
+    """model.head_dim=32 on a 64-wide stream of 4 heads (Qwen3's shape: q is 128 wide): the
+    projections' shapes, the count without a model, Muon's q/k/v parts and the FLOPs follow it; a few
+    AdamW steps lower the loss; the KV cache decodes what the full forward computes."""
+    cfg = {**LLAMA, "head_dim": 32, "qk_norm": True}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (4 * 32 + 2 * 2 * 32, 64)  # q, then k and v of 2 heads
+    assert shapes["transformer.h.0.attn.c_proj.weight"] == (64, 4 * 32)
+    assert shapes["transformer.h.0.attn.q_norm.weight"] == (32,)
+    assert parameter_count(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg)) == model.num_params()
+    assert model.matrix_parts("transformer.h.0.attn.c_attn.weight", 256) == (128, 64, 64)
+    assert model.flops_per_token(32) == 6 * (model.num_params() - 100 * 64) + 12 * 2 * 128 * 32
+    idx = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        _, loss = model(idx, idx.roll(-1, dims=1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    model.eval()
+    with torch.no_grad():
+        full, _ = model(idx[:1])
+        cache = KVCache(2, 1, 32, torch.device("cpu"))
+        prefill, _ = model(idx[:1, :20], cache=cache.step(None, 20))
+        step, _ = model(idx[:1, 20:21], cache=cache.step(None, 1))
+    torch.testing.assert_close(prefill, full[:, :20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step[0, 0], full[0, 20], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_presets_have_the_published_counts():
+    """Hand counts of the published shapes: Qwen3-30B-A3B (30.5B, 3.3B active: 48 layers of 4096-wide
+    q, two 512-wide k/v, o, QK-norm, two norms, a router and 128 experts of 3 x 768 x 2048, plus the
+    untied 151936 x 2048 embedding and head) and Qwen3-0.6B (0.6B, tied)."""
+    attn = 2048 * (4096 + 2 * 512) + 4096 * 2048 + 2 * 128 + 2 * 2048
+    layer, active = attn + 128 * 2048 + 128 * 3 * 768 * 2048, attn + 128 * 2048 + 8 * 3 * 768 * 2048
+    outer = 2 * 151936 * 2048 + 2048
+    moe = compose(["model=qwen3_30b_a3b"]).model
+    assert parameter_count(moe) == 48 * layer + outer == 30_532_122_624
+    with torch.device("meta"):
+        assert GPT(GPTConfig.from_cfg(moe)).active_params() == 48 * active + outer == 3_353_032_704
+    dense = 1024 * (2048 + 2 * 1024) + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 128 + 2 * 1024
+    assert parameter_count(compose(["model=qwen3_0_6b"]).model) == 28 * dense + 151936 * 1024 + 1024 == 596_049_920

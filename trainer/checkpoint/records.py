@@ -24,7 +24,8 @@ from trainer.io import first_line
 # checkpoint written before the field existed was trained with (GPT-2's block).
 MODEL_FIELDS = {k: getattr(ModelConfig, k) for k in (
     "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias", "norm", "norm_eps",
-    "pos", "rope_theta", "mlp", "mlp_hidden", "mlp_multiple_of", "n_kv_head", "qk_norm", "tie_embeddings")}
+    "pos", "rope_theta", "mlp", "mlp_hidden", "mlp_multiple_of", "n_kv_head", "head_dim", "qk_norm",
+    "tie_embeddings")}
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -93,6 +93,7 @@ ADDED_KEYS = {
     "data.text_field": "text",
     "data.mix": None,
     "train.float8": "off",
+    "model.head_dim": None,  # n_embd / n_head
     # a dense model (the mixture-of-experts group's defaults)
     "model.moe.num_experts": 0,
     "model.moe.top_k": 2,

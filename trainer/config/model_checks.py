@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from trainer.config.schema import ATTENTION_BACKENDS, MLPS, NORMS, POSITIONS
-from trainer.config.shape import mlp_width, parameter_count
+from trainer.config.shape import head_width, mlp_width, parameter_count
 from trainer.errors import ConfigError
 
 # Parameters a model shape may have (each needs 16 bytes of weights, gradients and AdamW state to
@@ -20,18 +20,24 @@ def check_block(m: DictConfig) -> None:
     for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS), ("attention", ATTENTION_BACKENDS)):
         if m[key] not in choices:
             raise ConfigError(f"model.{key}={m[key]!r} is unknown; choose one of {', '.join(choices)}")
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+    explicit = m.get("head_dim")
+    if explicit is None and m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; choose a "
+                          "model.n_head that divides it, or set model.head_dim (each head's width)")
     if m.n_kv_head is not None and m.n_head % m.n_kv_head:
         raise ConfigError(
             f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head serves "
             f"a whole group of query heads); e.g. model.n_kv_head={m.n_head} (or null: n_head)"
         )
-    head_dim = m.n_embd // m.n_head
+    head_dim = head_width(m)
     if m.pos == "rope" and head_dim % 2:
+        if explicit is not None:
+            size, fix = f"model.head_dim={head_dim}", "an even model.head_dim"
+        else:
+            size, fix = f"n_embd / n_head = {head_dim}", "model.n_embd and model.n_head with an even head size"
         raise ConfigError(
-            f"model.pos=rope rotates pairs of dimensions, but each head has n_embd / n_head = {head_dim}, an odd "
-            "number; choose model.n_embd and model.n_head with an even head size, or model.pos=learned"
+            f"model.pos=rope rotates pairs of dimensions, but each head has {size}, an odd number; choose {fix}, "
+            "or model.pos=learned"
         )
     check_moe(m)
 

@@ -123,6 +123,9 @@ class ModelConfig:
     mlp_hidden: Optional[int] = None
     mlp_multiple_of: int = 256
     n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads (null = n_head)
+    # Each attention head's width; null = n_embd / n_head. Qwen3 sets it apart from the model width
+    # (Qwen3-0.6B: 16 heads of 128 over a 1024-wide stream): q is n_head x head_dim wide.
+    head_dim: Optional[int] = None
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (before RoPE), as OLMo 2 and Qwen3
     tie_embeddings: bool = True  # the output head shares the token embedding (GPT-2 ties; Llama does not)
     # Which SDPA kernel computes attention (ATTENTION_BACKENDS). Not a shape: the weights are the same

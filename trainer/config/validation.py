@@ -68,6 +68,7 @@ RANGES = {
     "model.mlp_hidden": _at_least(1),
     "model.mlp_multiple_of": _at_least(1),
     "model.n_kv_head": _at_least(1),
+    "model.head_dim": _at_least(1),
     "data.val_fraction": _fraction(),
     "data.shard_tokens": _at_least(1),
     "data.max_tokens": _at_least(1),
@@ -144,6 +145,7 @@ UPPER_BOUNDS = {
 # What a null means for the keys that take one (said beside the range a value missed).
 NULL_MEANS = {
     "model.mlp_hidden": "4 x n_embd, or Llama's rule for swiglu", "model.n_kv_head": "n_head",
+    "model.head_dim": "n_embd / n_head",
     "data.max_tokens": "all", "data.num_proc": "all cores", "launch.threads_per_worker": "cores / local workers",
     "launch.hang_timeout_s": "10 x the slowest step, 120 s at least",
     "train.total_batch_size": "derived", "train.grad_accum_steps": "derived", "train.peak_flops": "known GPUs only",

@@ -37,6 +37,11 @@ def _kv_heads(m) -> int:
     return m["n_kv_head"] or m["n_head"]
 
 
+def _head_dim(m) -> int:
+    """Each head's width: model.head_dim, or n_embd / n_head (null, or a shape without the key)."""
+    return m.get("head_dim") or m["n_embd"] // m["n_head"]
+
+
 def _hidden(m) -> int:
     return mlp_width(m["n_embd"], m["mlp"], m["mlp_hidden"], m.get("mlp_multiple_of", 256))
 
@@ -55,6 +60,8 @@ def export_family(m) -> str:
     gpt2_gaps = [f"model.{k}={m[k]}" for k, v in GPT2_BLOCK.items() if m[k] != v]
     if _kv_heads(m) != m["n_head"]:
         gpt2_gaps.append(f"model.n_kv_head={m['n_kv_head']}")
+    if _head_dim(m) * m["n_head"] != m["n_embd"]:
+        gpt2_gaps.append(f"model.head_dim={m['head_dim']}")
     if _hidden(m) != 4 * m["n_embd"]:
         gpt2_gaps.append(f"model.mlp_hidden={m['mlp_hidden']}")
     if not gpt2_gaps:
@@ -87,7 +94,7 @@ def llama_config(m, family: str, dtype: str, eot: int = EOT) -> dict:
         "num_hidden_layers": m["n_layer"],
         "num_attention_heads": m["n_head"],
         "num_key_value_heads": _kv_heads(m),
-        "head_dim": m["n_embd"] // m["n_head"],
+        "head_dim": _head_dim(m),
         "hidden_act": "silu",
         "max_position_embeddings": m["block_size"],
         "rms_norm_eps": m["norm_eps"],
@@ -114,7 +121,8 @@ def llama_config(m, family: str, dtype: str, eot: int = EOT) -> dict:
 
 def llama_shape(cfg: dict, label: str) -> dict:
     """Our model keys for a Llama / Qwen3 config.json; CheckpointError for what our model cannot
-    reproduce (another activation, RoPE scaling, a head_dim other than hidden/heads, ...)."""
+    reproduce (another activation, RoPE scaling, ...). config.json's head_dim (Qwen3's differs
+    from hidden_size / num_attention_heads) is model.head_dim; null where it is that quotient."""
     family = cfg.get("model_type")
     heads, width = cfg.get("num_attention_heads"), cfg.get("hidden_size")
     unsupported = []
@@ -123,8 +131,6 @@ def llama_shape(cfg: dict, label: str) -> dict:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
-    if heads and width and cfg.get("head_dim") not in (None, width // heads):
-        unsupported.append(f"head_dim={cfg['head_dim']} (not hidden_size / num_attention_heads)")
     attention_bias = bool(cfg.get("attention_bias", False))
     if family == "llama" and bool(cfg.get("mlp_bias", False)) != attention_bias:
         unsupported.append(
@@ -140,6 +146,8 @@ def llama_shape(cfg: dict, label: str) -> dict:
             f"{label} is a {family} variant dtrain's model cannot reproduce ({', '.join(unsupported)})")
     return {
         "n_layer": cfg.get("num_hidden_layers"), "n_head": heads, "n_embd": width,
+        "head_dim": None if not heads or not width or cfg.get("head_dim") in (None, width // heads)
+        else cfg["head_dim"],
         "block_size": cfg.get("max_position_embeddings"), "vocab_size": cfg.get("vocab_size"),
         "norm": "rmsnorm", "pos": "rope", "mlp": "swiglu", "qk_norm": family != "llama",
         "n_kv_head": cfg.get("num_key_value_heads") or heads, "mlp_hidden": cfg.get("intermediate_size"),
@@ -157,7 +165,8 @@ def llama_parts(s) -> dict[str, list[tuple[str, list[int]]]]:
     e, heads, layers = s["n_embd"], s["n_head"], s["n_layer"]
     moe = qwen3_moe.moe_keys(s)
     moe_layers = qwen3_moe.moe_layers(layers, moe["every"]) if qwen3_moe.num_experts(s) else []
-    kv, hidden, head_dim = _kv_heads(s) * (e // heads), _hidden(s), e // heads
+    head_dim, hidden = _head_dim(s), _hidden(s)
+    q, kv = heads * head_dim, _kv_heads(s) * head_dim
     parts = {"transformer.wte.weight": [(EMBED, [s["vocab_size"], e])],
              "transformer.ln_f.weight": [("model.norm.weight", [e])]}
     if not s["tie_embeddings"]:
@@ -168,15 +177,15 @@ def llama_parts(s) -> dict[str, list[tuple[str, list[int]]]]:
         block = {
             "ln_1.weight": [(hf + "input_layernorm.weight", [e])],
             "ln_2.weight": [(hf + "post_attention_layernorm.weight", [e])],
-            "attn.c_attn.weight": [(attn + "q_proj.weight", [e, e]), (attn + "k_proj.weight", [kv, e]),
+            "attn.c_attn.weight": [(attn + "q_proj.weight", [q, e]), (attn + "k_proj.weight", [kv, e]),
                                    (attn + "v_proj.weight", [kv, e])],
-            "attn.c_proj.weight": [(attn + "o_proj.weight", [e, e])],
+            "attn.c_proj.weight": [(attn + "o_proj.weight", [e, q])],
             "mlp.c_fc.weight": [(mlp + "gate_proj.weight", [hidden, e]), (mlp + "up_proj.weight", [hidden, e])],
             "mlp.c_proj.weight": [(mlp + "down_proj.weight", [e, hidden])],
         }
         if s["bias"]:
             block.update({
-                "attn.c_attn.bias": [(attn + "q_proj.bias", [e]), (attn + "k_proj.bias", [kv]),
+                "attn.c_attn.bias": [(attn + "q_proj.bias", [q]), (attn + "k_proj.bias", [kv]),
                                      (attn + "v_proj.bias", [kv])],
                 "attn.c_proj.bias": [(attn + "o_proj.bias", [e])],
                 "mlp.c_fc.bias": [(mlp + "gate_proj.bias", [hidden]), (mlp + "up_proj.bias", [hidden])],

@@ -47,6 +47,9 @@ class GPTConfig(_ShapeFields):
         elif not isinstance(moe, MoEConfig):
             moe = MoEConfig(**{f.name: moe[f.name] for f in dataclasses.fields(MoEConfig) if f.name in moe})
         object.__setattr__(self, "moe", moe)
+        # model.head_dim null: n_embd / n_head (every model before the key existed)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -54,8 +57,10 @@ class GPTConfig(_ShapeFields):
         return (self.vocab_size + m - 1) // m * m
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def q_width(self) -> int:
+        """The queries' width (and attention's output's): n_head x head_dim, n_embd unless
+        model.head_dim sets the heads apart from the model width."""
+        return self.n_head * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -81,6 +86,8 @@ class GPTConfig(_ShapeFields):
             parts.append(f"moe {moe.top_k} of {moe.num_experts} x {self.expert_hidden}{shared}{every}")
         if self.kv_heads != self.n_head:
             parts.append(f"{self.n_head} q / {self.kv_heads} kv heads")
+        if self.q_width != self.n_embd:
+            parts.append(f"heads {self.head_dim} wide")
         flags = (("qk-norm", self.qk_norm), ("untied head", not self.tie_embeddings), ("no bias", not self.bias))
         parts += [word for word, on in flags if on]
         return ", ".join(parts)

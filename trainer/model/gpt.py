@@ -104,7 +104,7 @@ class GPT(nn.Module):
         c = self.config
         if name.endswith(".attn.c_attn.weight"):
             kv_width = c.kv_heads * c.head_dim
-            return (c.n_embd, kv_width, kv_width)
+            return (c.q_width, kv_width, kv_width)
         if name.endswith(".mlp.c_fc.weight") and c.mlp == "swiglu":
             return (c.hidden, c.hidden)
         if name.endswith(".mlp.shared.c_fc.weight"):
@@ -204,7 +204,7 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         if not c.tie_embeddings:
             n -= self.transformer.wte.weight.numel()
-        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
+        return 6 * n + 12 * c.n_layer * c.q_width * seq_len  # scores and weighted sum: n_head x head_dim wide
 
 
 def build_model(model_cfg) -> GPT:

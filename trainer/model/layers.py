@@ -68,9 +68,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.dropout = config.dropout
         kv_width = self.n_kv_head * self.head_dim
-        self.split_sizes = (config.n_embd, kv_width, kv_width)
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.split_sizes = (config.q_width, kv_width, kv_width)
+        self.c_attn = nn.Linear(config.n_embd, config.q_width + 2 * kv_width, bias=config.bias)
+        self.c_proj = nn.Linear(config.q_width, config.n_embd, bias=config.bias)
         self.c_proj.residual_scaled_init = True
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_norm:

@@ -348,22 +348,23 @@ def _activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: i
     rank keeps 1/tp of the per-head and per-hidden-unit tensors (q/k/v, attention's output, the
     MLP's hidden ones) and all of the rest: no sequence parallelism, a replicated head."""
     C, L, V = shape.n_embd, shape.n_layer, shape.padded_vocab_size
-    kv = shape.kv_heads * shape.head_dim
+    # q and attention's output are n_head x head_dim wide (n_embd unless model.head_dim sets it)
+    Q, kv = shape.q_width, shape.kv_heads * shape.head_dim
     if device_type == "cuda":
         residual = 4 if act == 2 else act  # autocast adds bf16 outputs to an fp32 residual stream
         if t.compile:
             # SwiGLU: gate and up, and inductor keeps their product (c_proj's input) rather than
             # recompute it (llama_135m on an H100: 2.4 H bytes a token per block more than gate + up)
             fc_out = shape.hidden * (3 if shape.mlp == "swiglu" else 1)
-            per_token = 2 * residual * C + act * (C + 2 * kv + C + fc_out) // tp
+            per_token = 2 * residual * C + act * (Q + 2 * kv + Q + fc_out) // tp
         else:
-            rope = C + kv if shape.pos == "rope" else 0
-            per_token = 2 * residual * C + act * 2 * C + act * (C + 2 * kv + 2 * C + rope
+            rope = Q + kv if shape.pos == "rope" else 0
+            per_token = 2 * residual * C + act * 2 * C + act * (Q + 2 * kv + 2 * Q + rope
                                                                  + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
         head_per_logit = CUDA_HEAD_COMPILED if t.compile else CUDA_HEAD_EAGER
     else:
         residual = act
-        qkv = C + 2 * kv
+        qkv = Q + 2 * kv
         per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + (qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
         per_token *= act
         head_per_logit = HEAD_ACT_PER_V * 4  # the loss is computed in fp32

@@ -33,7 +33,8 @@ HF_WEIGHTS = "model.safetensors"  # trainer.huggingface.mapping.WEIGHTS_FILE (th
 HF_INDEX = "model.safetensors.index.json"  # a sharded save: which file holds each tensor
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 # the block's keys a source must share with the model group (widths and heads as the model builds them)
-BLOCK_KEYS = ("norm", "pos", "mlp", "mlp_hidden", "n_kv_head", "qk_norm", "tie_embeddings", "norm_eps", "rope_theta")
+BLOCK_KEYS = ("norm", "pos", "mlp", "mlp_hidden", "n_kv_head", "head_dim", "qk_norm", "tie_embeddings", "norm_eps",
+              "rope_theta")
 # model.moe's, flat as a source's shape holds them (trainer/huggingface/qwen3_moe.py reads both forms)
 MOE_KEYS = tuple(f"moe.{k}" for k in qwen3_moe.SHAPE_KEYS)
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
@@ -66,11 +67,13 @@ def hf_weight_files(folder: Path) -> list[Path]:
 
 
 def effective(m) -> dict:
-    """SHAPE_KEYS, BLOCK_KEYS and MOE_KEYS of a model config (or a source's shape) as the model
+    """SHAPE_KEYS and BLOCK_KEYS of a model config (or a source's shape) as the model builds them:
+    n_kv_head, head_dim and mlp_hidden resolved, rope_theta only where positions are rotary."""
     builds them: n_kv_head and mlp_hidden resolved, rope_theta only where positions are rotary,
     model.moe's keys only with experts, mlp_hidden only where some layer is dense."""
     out = {k: m.get(k, DEFAULTS[k]) for k in (*SHAPE_KEYS, *BLOCK_KEYS)}
     out["n_kv_head"] = out["n_kv_head"] or out["n_head"]
+    out["head_dim"] = out["head_dim"] or (out["n_embd"] // out["n_head"] if out["n_embd"] and out["n_head"] else None)
     out["mlp_hidden"] = mlp_width(out["n_embd"], out["mlp"], out["mlp_hidden"],
                                   m.get("mlp_multiple_of", DEFAULTS["mlp_multiple_of"]))
     if out["pos"] != "rope":
