@@ -67,10 +67,9 @@ def hf_weight_files(folder: Path) -> list[Path]:
 
 
 def effective(m) -> dict:
-    """SHAPE_KEYS and BLOCK_KEYS of a model config (or a source's shape) as the model builds them:
-    n_kv_head, head_dim and mlp_hidden resolved, rope_theta only where positions are rotary."""
-    builds them: n_kv_head and mlp_hidden resolved, rope_theta only where positions are rotary,
-    model.moe's keys only with experts, mlp_hidden only where some layer is dense."""
+    """SHAPE_KEYS, BLOCK_KEYS and MOE_KEYS of a model config (or a source's shape) as the model
+    builds them: n_kv_head, head_dim and mlp_hidden resolved, rope_theta only where positions are
+    rotary, model.moe's keys only with experts, mlp_hidden only where some layer is dense."""
     out = {k: m.get(k, DEFAULTS[k]) for k in (*SHAPE_KEYS, *BLOCK_KEYS)}
     out["n_kv_head"] = out["n_kv_head"] or out["n_head"]
     out["head_dim"] = out["head_dim"] or (out["n_embd"] // out["n_head"] if out["n_embd"] and out["n_head"] else None)
