@@ -121,11 +121,6 @@ class MoEFeedForward(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        """GPT's init: normal(0, std), the projection back to the residual stream residual-scaled."""
-        nn.init.normal_(self.experts.c_fc, mean=0.0, std=std)
-        nn.init.normal_(self.experts.c_proj, mean=0.0, std=residual_std)
-
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [N, E] fp32, weights [N, k] fp32, chosen [N, k]): the router's softmax, the
         chosen experts' probabilities (renormalized to sum 1 with norm_topk_prob) and their ids."""
