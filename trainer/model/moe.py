@@ -53,6 +53,10 @@ class GroupedExperts(nn.Module):
         self.hidden = hidden
         self.c_fc = nn.Parameter(torch.empty(num_experts, 2 * hidden, n_embd))
         self.c_proj = nn.Parameter(torch.empty(num_experts, n_embd, hidden))
+        # Grouped by default on CPU too, by measurement (2026-11-28, torch 2.13, 2 shared cores,
+        # forward+backward, balanced counts): qwen3_moe_tiny's shape (8 experts, d 64, h 96, 512
+        # rows) grouped 1.12 ms vs loop 1.80 ms; 64 experts, d 1024, h 768, 4096 tokens x top 8:
+        # grouped 3.0 s vs loop 15.2 s (one repetition).
         self.use_grouped_mm = True  # False: the per-expert loop (tests compare the two)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
