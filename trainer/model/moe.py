@@ -53,6 +53,10 @@ class GroupedExperts(nn.Module):
         self.hidden = hidden
         self.c_fc = nn.Parameter(torch.empty(num_experts, 2 * hidden, n_embd))
         self.c_proj = nn.Parameter(torch.empty(num_experts, n_embd, hidden))
+        # Grouped by default on CPU too, by measurement (2026-11-28, torch 2.13, 2 shared cores,
+        # forward+backward, balanced counts): qwen3_moe_tiny's shape (8 experts, d 64, h 96, 512
+        # rows) grouped 1.12 ms vs loop 1.80 ms; 64 experts, d 1024, h 768, 4096 tokens x top 8:
+        # grouped 3.0 s vs loop 15.2 s (one repetition).
         self.use_grouped_mm = True  # False: the per-expert loop (tests compare the two)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -120,11 +124,6 @@ class MoEFeedForward(nn.Module):
         self.expert_split = None  # expert parallelism sets it (trainer/parallel/)
         self.aux_loss: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None
-
-    def init_weights(self, std: float, residual_std: float) -> None:
-        """GPT's init: normal(0, std), the projection back to the residual stream residual-scaled."""
-        nn.init.normal_(self.experts.c_fc, mean=0.0, std=std)
-        nn.init.normal_(self.experts.c_proj, mean=0.0, std=residual_std)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [N, E] fp32, weights [N, k] fp32, chosen [N, k]): the router's softmax, the
