@@ -82,9 +82,9 @@ def test_the_logged_aux_loss_is_what_the_model_adds_to_its_training_loss(moe, da
     assert records[0]["loss"] - without[0]["loss"] == pytest.approx(coef * records[0]["aux_loss"], rel=1e-3, abs=1e-6)
 
 
-def test_expert_stats_sum_the_layers_aux_losses_and_loads_over_micro_steps():
+def test_expert_stats_average_the_layers_aux_losses_and_sum_loads_over_micro_steps():
     """In process, on the real block: the step's aux loss is the mean over micro-steps of the layers'
-    summed aux losses, and the load the sum of their expert_load, as the modules report them."""
+    mean aux loss, and the load the sum of their expert_load, as the modules report them."""
     torch.manual_seed(0)
     cfg = compose([MOE]).model
     model = build_model(cfg)
@@ -95,7 +95,7 @@ def test_expert_stats_sum_the_layers_aux_losses_and_loads_over_micro_steps():
         x = torch.randint(0, 1000, (2, 16))
         model(x, x)
         stats.after_micro_step()
-        aux.append(sum(float(mlp.aux_loss.detach()) for _, mlp in stats.layers))
+        aux.append(sum(float(mlp.aux_loss.detach()) for _, mlp in stats.layers) / len(stats.layers))
         load.append([mlp.expert_load.tolist() for _, mlp in stats.layers])
     assert stats.step_aux(3).item() == pytest.approx(sum(aux) / 3, rel=1e-6)
     summed = stats.take_load()

@@ -14,7 +14,7 @@ from trainer.config.schema import ModelConfig, MoEConfig
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.model.moe import GroupedExperts, MoEFeedForward
+from trainer.model.moe import GroupedExperts, MoEFeedForward, load_balancing_loss
 
 torch.set_num_threads(1)
 
@@ -45,12 +45,12 @@ def test_routing_matches_a_hand_computation():
     assert weights[1].tolist() == pytest.approx([pb[1] / (pb[1] + pb[0]), pb[0] / (pb[1] + pb[0])], rel=1e-6)
     layer.norm_topk_prob = False
     assert layer.route(flat)[1][0].tolist() == pytest.approx(pa[:2], rel=1e-6)
-    # aux loss: E x sum_e (share of the 4 slots choosing e) x (mean probability of e)
+    # aux loss: E x sum_e (slots choosing e per token, 2 tokens) x (mean probability of e)
     x = flat.view(1, 2, d)
     layer(x)
     counts = torch.bincount(chosen.reshape(-1), minlength=3).float()
     mean_p = [(pa[e] + pb[e]) / 2 for e in range(3)]
-    expected = 3 * sum(counts[e].item() / 4 * mean_p[e] for e in range(3))
+    expected = 3 * sum(counts[e].item() / 2 * mean_p[e] for e in range(3))
     assert layer.aux_loss.item() == pytest.approx(expected, rel=1e-6)
     assert layer.aux_loss.requires_grad
     assert layer.expert_load.dtype == torch.int64 and layer.expert_load.tolist() == counts.long().tolist()
@@ -147,3 +147,15 @@ def test_bad_moe_keys_are_one_config_error(override, words):
         (m if key == "mlp" else m.moe)[key] = value
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         check_block(m)
+
+
+def test_the_aux_loss_is_hugging_faces_for_one_layer():
+    """transformers' Qwen3-MoE load_balancing_loss_func on one layer's router logits is the layer's
+    aux_loss (the model's is their mean over layers, as Hugging Face's pools the layers)."""
+    qwen3_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    torch.manual_seed(0)
+    logits = torch.randn(40, 8)
+    probs = logits.softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    want = qwen3_moe.load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    torch.testing.assert_close(load_balancing_loss(probs, chosen, 8), want)

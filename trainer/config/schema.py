@@ -94,7 +94,7 @@ class MoEConfig:
     # Each expert's SwiGLU width; null = the dense MLP's width / top_k (the same active MLP width).
     expert_hidden: Optional[int] = None
     every: int = 1
-    aux_loss_coef: float = 0.001  # x the load-balancing loss (Hugging Face's), summed over the MoE layers
+    aux_loss_coef: float = 0.001  # x the load-balancing loss (Hugging Face's), the mean over the MoE layers
     norm_topk_prob: bool = True  # renormalize the chosen experts' probabilities to sum 1 (Qwen3-MoE)
 
 

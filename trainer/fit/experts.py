@@ -4,7 +4,7 @@ aux loss and each MoE layer's expert load, for metrics.jsonl, the step lines and
 After each forward a MoE layer holds `aux_loss` (its load-balancing loss for that forward) and
 `expert_load` (routed (token, slot) pairs per expert, int64 [E], global expert indices, of this rank's
 tokens). Per micro-step this adds them up on the device, with no host sync:
-  * the aux loss, summed over the layers (what model.moe.aux_loss_coef multiplies in the training
+  * the aux loss, the mean over the layers (what model.moe.aux_loss_coef multiplies in the training
     loss) and averaged over the step's micro-steps like the loss; the step's non-finite check
     (trainer/fit/nonfinite.py) averages it over the ranks in the all-reduce it already makes for the
     loss and the gradient norm, so it costs no collective of its own;
@@ -54,7 +54,7 @@ class ExpertStats:
     def after_micro_step(self) -> None:
         """Add the forward just made (its layers' aux losses and loads) to the step's and interval's sums."""
         mlps = [mlp for _, mlp in self.layers]
-        self._aux += torch.stack([mlp.aux_loss.detach().float() for mlp in mlps]).sum()
+        self._aux += torch.stack([mlp.aux_loss.detach().float() for mlp in mlps]).mean()
         load = torch.stack([mlp.expert_load for mlp in mlps])
         self._load = load if self._load is None else self._load + load
 

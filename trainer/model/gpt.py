@@ -175,7 +175,10 @@ class GPT(nn.Module):
         if self.training and not per_token:
             layers = self.moe_layers()
             if layers:
-                loss = loss + self.config.moe.aux_loss_coef * sum(layer.aux_loss for layer in layers)
+                # the mean over layers: Hugging Face's pools every layer's routing into one loss,
+                # so a coefficient means the same at any depth (top_k x coef when balanced)
+                aux = sum(layer.aux_loss for layer in layers) / len(layers)
+                loss = loss + self.config.moe.aux_loss_coef * aux
         if per_token:
             # under context parallelism every rank returns the whole sequences' losses, in order
             return None, loss if split is None else split.whole(loss.view(B, -1)).view(-1)

@@ -37,8 +37,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _can_group(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or tokens.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if tokens.device.type == "cuda" and tokens.dtype != torch.bfloat16:
-        return False  # CUDA's kernel takes bf16 only
+    if (tokens.device.type == "cuda" or torch.compiler.is_compiling()) and tokens.dtype != torch.bfloat16:
+        # CUDA's kernel takes bf16 only, and so does the shape function torch.compile traces it with
+        # (torch 2.13: an fp32 CPU model under train.compile=true failed "Expected inputs of BF16 type")
+        return False
     size = tokens.element_size()
     return all(d * size % GROUPED_MM_ALIGN_BYTES == 0 for w in weights for d in w.shape[1:])
 
@@ -104,10 +106,11 @@ class SharedExperts(nn.Module):
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Hugging Face's load_balancing_loss_func for one layer without padding (transformers 5.24,
-    Qwen3-MoE): num_experts x sum over experts of (the share of the N x k routed slots that chose
-    e) x (the mean router probability of e over the N tokens). probs [N, E] fp32, chosen [N, k]."""
-    slot_share = F.one_hot(chosen, num_experts).float().mean(dim=(0, 1))
-    return num_experts * (slot_share * probs.mean(dim=0)).sum()
+    Qwen3-MoE): num_experts x sum over experts of (the slots that chose e per token, N x k slots in
+    all) x (the mean router probability of e over the N tokens); top_k when the load is even.
+    probs [N, E] fp32, chosen [N, k]."""
+    per_token = F.one_hot(chosen, num_experts).float().sum(dim=1).mean(dim=0)
+    return num_experts * (per_token * probs.mean(dim=0)).sum()
 
 
 class MoEFeedForward(nn.Module):
