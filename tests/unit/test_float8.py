@@ -1,6 +1,6 @@
 """train.float8 with torchao's emulation on the CPU: which layers convert (auto only the wide ones,
 never the head), the state dict and the Hugging Face export unchanged by conversion, a DCP round trip,
-and bad values, combinations and a CPU auto as documented. Runs: tests/parallel/test_float8.py."""
+and bad values, combinations and a CPU auto as documented. Runs: tests/parallel/test_float8_workers.py."""
 
 from __future__ import annotations
 
