@@ -61,16 +61,11 @@ def _by_expert(counts_in: torch.Tensor) -> torch.Tensor:
     return torch.sort(expert_of_row, stable=True).indices
 
 
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's mixture-of-experts feed-forward modules (those a token exchange can be set on)."""
-    return [module for module in model.modules() if hasattr(module, "expert_split")]
-
-
 def split_experts(model: nn.Module, ep_mesh) -> nn.Module:
     """Give each ep rank its share of every MoE layer's experts (DTensors sharded by expert over
     `ep_mesh`) and the layer its token exchange. Shapes only: runs on a meta model too."""
     split = ExpertSplit(ep_mesh.get_group(), ep_mesh.size())
-    for layer in moe_layers(model):
+    for layer in model.moe_layers():
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])

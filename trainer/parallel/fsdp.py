@@ -9,7 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.errors import ConfigError
-from trainer.parallel.base import Strategy, expert_parallel_module, row_shard_numel
+from trainer.parallel.base import Strategy, row_shard_numel
 from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
 from trainer.parallel.owned_state import OwnedMatrixState
 
@@ -78,7 +78,7 @@ class FSDPStrategy(OwnedMatrixState, Strategy):
         1: dimension 0 is the ep split's), their gradients averaged over every data-parallel rank
         (trainer/parallel/expert_parallel.py says why the divide factor is the whole dp size)."""
         mesh = self.expert_data_parallel_mesh()
-        for layer in expert_parallel_module().moe_layers(model):
+        for layer in model.moe_layers():
             fully_shard(layer.experts, mesh=mesh, mp_policy=self.mp_policy,
                         reshard_after_forward=self.cfg.reshard_after_forward,
                         shard_placement_fn=lambda param: Shard(1))
