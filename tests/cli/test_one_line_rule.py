@@ -55,6 +55,8 @@ REFUSED_RUNS = {
     "fused loss on the CPU": (["hydra.run.dir={run}", "train.device=cpu", "train.loss_kernel=fused"],
                               "train.loss_kernel=fused runs liger-kernel's Triton kernels"),
     "unknown float8 recipe": (["hydra.run.dir={run}", "train.float8=e5m2"], "train.float8='e5m2' is unknown"),
+    # issue 48: a straggler ratio that would name a rank as fast as the others
+    "straggler ratio 1": (["hydra.run.dir={run}", "train.straggler_ratio=1"], "train.straggler_ratio=1"),
 }
 
 

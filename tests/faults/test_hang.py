@@ -59,7 +59,11 @@ def test_the_default_limit_follows_the_slowest_step_within_its_floor_and_the_pro
 
 def test_the_delay_hook_names_a_rank_a_step_and_seconds(monkeypatch):
     monkeypatch.setenv("DTRAIN_INJECT_DELAY", "1@8:60")
-    assert injected_delay() == (1, 8, 60.0)
+    delay = injected_delay()
+    assert (delay.rank, delay.steps, delay.seconds) == (1, {8}, 60.0)
+    assert delay.applies(1, 8) and not delay.applies(0, 8) and not delay.applies(1, 9)
+    monkeypatch.setenv("DTRAIN_INJECT_DELAY", "0@*:0.5")
+    assert injected_delay().applies(0, 123) and injected_delay().seconds == 0.5
     monkeypatch.delenv("DTRAIN_INJECT_DELAY")
     assert injected_delay() is None
 

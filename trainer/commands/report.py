@@ -11,6 +11,9 @@ them (read from each run's .hydra/overrides.yaml):
     experts.png       a mixture-of-experts run's expert load (each MoE layer's least and most loaded
                       expert, as a share of the mean) and its load-balancing aux loss
                       (only when a run trained a MoE model: docs/model.md, "Mixture of experts")
+    ranks.png         each rank's own time in the sampled steps of a multi-process run (one run: a
+                      line per rank; several: each run's slowest rank over the others' median),
+                      where a straggler shows (docs/troubleshooting.md, "Stragglers")
     report.json       runs that differ only in train.seed as groups: per group and figure n, mean,
                       sd, 95% CI; every group against the first (or --baseline) with the
                       difference, its 95% CI and Welch's t-test p-value (scipy: dtrain[stats])
@@ -60,6 +63,7 @@ from trainer.observe.results import (
     table_console,
 )
 from trainer.observe.stats import SEED_KEY, seed_statistics, without_seed
+from trainer.observe.straggler_verdict import slowest_over_median
 
 FIG_SIZE = (10, 5.5)  # inches at DPI: 1000 x 550 pixels
 WIDE_FIG_SIZE = (14, 5.5)  # the two-panel loss figure: 1400 x 550 pixels
@@ -276,6 +280,27 @@ class Plotter:
             return self._save(fig, "experts.png", [ax_aux])
         return self._save(fig, "experts.png", [ax_load, ax_aux])
 
+    def ranks(self) -> Path:
+        """Each rank's own time in the sampled steps (rank_step_s, trainer/observe/stragglers.py)."""
+        fig, (ax,) = self._figure("each rank's own time in a step (compute and reading, no waiting)")
+        timed = [run for run in self.runs if any("rank_step_s" in r for r in run.train)]
+        for i, run in enumerate(timed):
+            rows = [r for r in run.train if "rank_step_s" in r]
+            x = [r["tokens"] for r in rows]
+            if len(timed) == 1:
+                ranks = self.plt.get_cmap("viridis")
+                world = len(rows[-1]["rank_step_s"])
+                for rank in range(world):
+                    ax.plot(x, [r["rank_step_s"][rank] * 1e3 if rank < len(r["rank_step_s"]) else float("nan")
+                                for r in rows], marker=".", linewidth=1, color=ranks(rank / max(1, world - 1)),
+                            label=f"rank {rank}")
+                ax.set_ylabel("ms")
+            else:
+                ax.plot(x, [slowest_over_median(r["rank_step_s"]) for r in rows], marker=".", linewidth=1,
+                        color=self.colors[i % len(self.colors)], label=_short(run.label))
+                ax.set_ylabel("slowest rank / the other ranks' median")
+        return self._save(fig, "ranks.png", [ax])
+
     def simple(self, key: str, title: str, ylabel: str, name: str, rows_of, **kw) -> Path:
         fig, (ax,) = self._figure(title)
         for i, group in enumerate(self.groups.values()):
@@ -332,6 +357,8 @@ def cmd_report(argv: list[str]) -> None:
                                  "hellaswag.png", lambda r: r.hellaswag, marker="o", markersize=3))
     if any("expert_load" in r for run in plotted for r in run.train):
         files.append(plot.experts())
+    if any("rank_step_s" in r for run in plotted for r in run.train):
+        files.append(plot.ranks())
     if analysis is not None:  # written with the figures, as one more of the files
         plot.rendered[REPORT_FILE] = (json.dumps(analysis, indent=2) + "\n").encode()
         files.append(out / REPORT_FILE)

@@ -81,12 +81,13 @@ class NonFiniteGuard:
         found_inf). Without `on_device` the verdict is read here (found_inf is None); with it,
         found_inf is a device tensor (1.0: skip the update) for an optimizer that masks its update
         on device, and `settle` reads the verdict once that update is queued. `beside`: more of the
-        step's figures (a MoE model's aux loss) averaged over ranks in the same all-reduce and read in
-        the same sync (`self.beside`); the verdict is the loss's and the gradient norm's."""
-        parts = [loss, grad_norm.to(loss.dtype)]
+        step's figures (a MoE model's aux loss, a straggler sample's times; one vector) averaged over
+        ranks in the same all-reduce and read in the same sync (`self.beside`); the verdict is the
+        loss's and the gradient norm's."""
+        parts = [loss.reshape(1), grad_norm.to(loss.dtype).reshape(1)]
         if beside is not None:
-            parts.append(beside.to(loss.dtype))
-        stats = torch.stack(parts)
+            parts.append(beside.to(loss.dtype).reshape(-1))
+        stats = torch.cat(parts)
         if self.rt.distributed and self.rt.world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
             stats /= self.rt.world  # the same arithmetic as Runtime.all_reduce_mean: the same loss

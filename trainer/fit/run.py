@@ -24,6 +24,7 @@ from trainer.model.float8 import convert_float8, resolve_float8
 from trainer.model.gpt import build_model
 from trainer.model.layers import use_attention
 from trainer.model.loss import resolve_loss_kernel
+from trainer.observe.stragglers import StragglerWatch
 from trainer.optim.build import build_optimizer, masks_on_device
 from trainer.optim.schedule import lr_at, set_lr
 from trainer.parallel import make_strategy
@@ -92,10 +93,13 @@ class Run:
         self.masks_on_device = masks_on_device(self.optimizer)
         # where the step in progress has got to, for a hang's report (trainer/process/hang_watch.py)
         self.progress = StepProgress(micros=self.plan.grad_accum_steps)
-        self.delay = injected_delay()  # a testing hook: (rank, step, seconds) or None
+        self.delay = injected_delay()  # a testing hook (trainer/process/hang_watch.py) or None
+        self.read_s = 0.0  # this rank's seconds reading batches (the straggler watch's)
         self.flops_per_token = self.strategy.unwrap(self.model).flops_per_token(cfg.train.seq_len)
         # a MoE model's aux loss and expert load (trainer/fit/experts.py); None for a dense model
         self.experts = ExpertStats.of(self.strategy.unwrap(self.model), rt)
+        # each rank's own time in a sampled step, compared across ranks (trainer/observe/stragglers.py)
+        self.stragglers = StragglerWatch(cfg, rt, lambda: self.read_s)
 
     def _val_set(self, data) -> ValidationSet:
         """The first train.val_tokens tokens of the val split (trainer/data/val_set.py), or as many
@@ -163,9 +167,11 @@ class Run:
         progress = self.progress
         for micro in range(accum):
             progress.at(micro, 0)
-            if micro == 0 and self.delay and self.delay[:2] == (self.rt.rank, progress.step):
-                time.sleep(self.delay[2])
+            reading = time.perf_counter()
+            if micro == 0 and self.delay and self.delay.applies(self.rt.rank, progress.step):
+                time.sleep(self.delay.seconds)
             x, y = self.train_loader.next_batch()
+            self.read_s += time.perf_counter() - reading
             progress.at(micro, 1)
             with self.strategy.micro_step(self.model, is_last=micro == accum - 1):
                 with self.strategy.autocast():
@@ -189,9 +195,13 @@ class Run:
         gradient norm before clipping)."""
         self.progress.at(self.plan.grad_accum_steps - 1, 3)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        # a MoE model's aux loss rides the check's all-reduce (trainer/fit/experts.py)
+        # a MoE model's aux loss and a sampled step's straggler figures ride the check's all-reduce
+        # (trainer/fit/experts.py, trainer/observe/stragglers.py)
         aux = None if self.experts is None else self.experts.step_aux(self.plan.grad_accum_steps)
-        loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device, beside=aux)
+        timing = self.stragglers.rider(loss.device)
+        riders = [part.reshape(-1) for part in (aux, timing) if part is not None]
+        loss, found_inf = self.guard.check(loss, grad_norm, on_device=self.masks_on_device,
+                                           beside=torch.cat(riders) if riders else None)
         if found_inf is not None:
             # The update is masked on device; the verdict is read once it is queued.
             self.strategy.optimizer_step(self.optimizer, found_inf)
@@ -200,8 +210,11 @@ class Run:
             self.strategy.optimizer_step(self.optimizer)
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        beside = self.guard.beside
         if self.experts is not None:
-            self.experts.aux_loss = self.guard.beside[0]
+            self.experts.aux_loss, beside = beside[0], beside[1:]
+        if timing is not None:
+            self.stragglers.arrived(beside)
         return loss, grad_norm
 
     def val_loss(self) -> tuple[float, float]:

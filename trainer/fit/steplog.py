@@ -1,8 +1,9 @@
 """The loop's bookkeeping after each optimizer step (trainer/fit/loop.py): tokens/s windows, MFU, ETA,
 the step's log record, and the split of the session's seconds into training (TrainState.train_s)
 and the rest by kind (TrainState.excluded_s: warmup, evaluation, checkpoint, profile, memory_snapshot,
-other), which time to target (trainer/fit/target.py) reports. Each second counted in one of them counts in
-TrainState.wall_s too: like them it adds up over every start of the run (the checkpoint keeps it)."""
+straggler_sample, other), which time to target (trainer/fit/target.py) reports. Each second counted
+in one of them counts in TrainState.wall_s too: like them it adds up over every start of the run
+(the checkpoint keeps it)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,7 @@ class StepLog:
         if experts is not None:  # a MoE model: the aux loss and the interval's expert load (every rank)
             record.update(experts.record(experts.take_load()))
             extra = console_part(record)
+        record.update(self.run.stragglers.take_record())  # a multi-process run: the last sample's times by rank
         self.metrics.log(record)
         self.view.update(state.step, loss_value, lr, tokens_per_s, record.get("mfu"), self._eta(now), extra)
 

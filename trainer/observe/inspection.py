@@ -1,10 +1,10 @@
-"""The loop's one hook for looking inside its steps: the profiled window (trainer/observe/profile.py)
-and the allocator's history and out-of-memory line (trainer/observe/memory.py), around each
-optimizer step of trainer/fit/loop.py."""
+"""The loop's one hook for looking inside its steps: the profiled window (trainer/observe/profile.py),
+the allocator's history and out-of-memory line (trainer/observe/memory.py) and the straggler watch's
+sampled steps (trainer/observe/stragglers.py), around each optimizer step of trainer/fit/loop.py."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from trainer.observe.memory import MemoryRecorder
@@ -18,12 +18,16 @@ class StepInspection:
 
     def __init__(self, cfg, rt, run_dir: Path, steps, view):
         self.steps = steps
+        self.stragglers = steps.run.stragglers
         self.profiler = StepProfiler(cfg, rt, run_dir, steps, view)
         self.memory = MemoryRecorder(cfg, rt, run_dir, dump_step=self.profiler.first_step or steps.first_step)
 
     @contextmanager
     def around(self, step: int):
-        with self.memory.watch(step), self.profiler.around(step):
+        # one profiler at a time: a profiled window's steps are not sampled
+        sampled = self.stragglers.samples(step, self.steps.first_step) and not self.profiler.covers(step)
+        with self.memory.watch(step), self.profiler.around(step), \
+                (self.stragglers.around(step, self.steps) if sampled else nullcontext()):
             yield
         if self.memory.after_step(step):
             self.steps.restart_window(excluded="memory_snapshot")  # the dump is not the next step's time

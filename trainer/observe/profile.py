@@ -7,6 +7,7 @@ exclude_steps), so tokens/s and MFU leave them out as they leave out warm-up."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,13 @@ STEP_LABEL = "dtrain step "  # each profiled step's span in the trace: "dtrain s
 # nested or concurrent ones count once.
 COMM_MARKERS = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                 "broadcast", "record_param_comms")
+
+
+def quiet_profiler() -> None:
+    """Kineto, the profiler's engine, prints `USDT: ... profiler_start` and `profiler_stop` on stderr
+    each time a profiler starts and stops: a line pair per straggler sample in a user's console. Its
+    level is read when a profiler first starts; 6 is above every level it has. A user's own setting wins."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def is_communication(name: str) -> bool:
@@ -60,16 +68,21 @@ class StepProfiler:
         """The first step this start profiles (None: none)."""
         return self.window[0] if self.window else None
 
+    def covers(self, step: int) -> bool:
+        """Whether step `step` is in the window still to profile."""
+        return self.window is not None and self.window[0] <= step <= self.window[1]
+
     def around(self, step: int):
         """A context manager for step `step`: the window opens before its first step and is written
         after its last."""
-        return _ProfiledStep(self, step) if self.window and self.window[0] <= step <= self.window[1] else _NOT_PROFILED
+        return _ProfiledStep(self, step) if self.covers(step) else _NOT_PROFILED
 
     def _open(self) -> None:
         activities = [ProfilerActivity.CPU]
         if self.rt.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self.steps.exclude_steps("profile")
+        quiet_profiler()
         self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False)
         self.profiler.start()
 
@@ -137,9 +150,9 @@ def profile_table(prof: profile, step_seconds: list[float], window: tuple[int, i
     """Rank 0's table: the top ops by self time (CUDA's where the trace has kernels, else the CPU's),
     the profiled steps' mean wall time and the share of it with communication in flight."""
     averages = prof.key_averages()
-    on_device = any(_self_device_us(e) > 0 for e in averages)
+    on_device = any(self_device_us(e) > 0 for e in averages)
     ops = [e for e in averages if not e.key.startswith(STEP_LABEL)]  # the step spans are not ops
-    ranked = sorted(ops, key=_self_device_us if on_device else (lambda e: e.self_cpu_time_total), reverse=True)
+    ranked = sorted(ops, key=self_device_us if on_device else (lambda e: e.self_cpu_time_total), reverse=True)
     wall_us = sum(step_seconds) * 1e6
     comm_us = _union_us([(e.time_range.start, e.time_range.end) for e in prof.events() if is_communication(e.name)])
     mean = sum(step_seconds) / max(1, len(step_seconds))
@@ -149,12 +162,12 @@ def profile_table(prof: profile, step_seconds: list[float], window: tuple[int, i
     header = f"  {'op':<{width}}  {'self CPU':>10}" + (f"  {'self CUDA':>10}" if on_device else "") + f"  {'calls':>6}"
     lines.append(header)
     for e in ranked[:TOP_OPS]:
-        device = f"  {_ms(_self_device_us(e)):>10}" if on_device else ""
+        device = f"  {_ms(self_device_us(e)):>10}" if on_device else ""
         lines.append(f"  {_short(e.key):<{width}}  {_ms(e.self_cpu_time_total):>10}{device}  {e.count:>6}")
     return "\n".join(lines)
 
 
-def _self_device_us(event) -> float:
+def self_device_us(event) -> float:
     # torch renamed self_cuda_time_total to self_device_time_total (2.4); the floor torch has both
     return getattr(event, "self_device_time_total", 0.0) or 0.0
 

@@ -23,8 +23,9 @@ by default (null) STEP_MULTIPLE times the slowest step seen so far, at least FLO
 launch.timeout_s so that the watch speaks first; 0 turns the watch off. Nothing touches the run's
 checkpoints: the newest stays the newest, and the same command continues from it.
 
-DTRAIN_INJECT_DELAY=RANK@STEP:SECONDS (a testing hook, like DTRAIN_INJECT_NONFINITE) makes that rank
-sleep while it reads the first batch of that optimizer step.
+DTRAIN_INJECT_DELAY=RANK@STEP[,STEP...]:SECONDS (a testing hook, like DTRAIN_INJECT_NONFINITE; RANK@*
+for every step) makes that rank sleep while it reads the first batch of those optimizer steps (a
+straggler, trainer/observe/stragglers.py, or with a long sleep a hang).
 """
 
 from __future__ import annotations
@@ -79,14 +80,29 @@ class StepProgress:
         return f"step {self.step}, micro-step {self.micro + 1}/{self.micros}, {PHASES[self.phase]}"
 
 
-def injected_delay() -> tuple[int, int, float] | None:
-    """The testing hook's (rank, optimizer step, seconds), or None when DTRAIN_INJECT_DELAY is unset."""
+@dataclass(frozen=True)
+class InjectedDelay:
+    """The testing hook's delay: `rank` sleeps `seconds` in each optimizer step of `steps` (None: every
+    step) while it reads that step's first batch."""
+
+    rank: int
+    steps: frozenset[int] | None
+    seconds: float
+
+    def applies(self, rank: int, step: int) -> bool:
+        return rank == self.rank and (self.steps is None or step in self.steps)
+
+
+def injected_delay() -> InjectedDelay | None:
+    """The testing hook DTRAIN_INJECT_DELAY=RANK@STEP[,STEP...]:SECONDS (RANK@*:SECONDS: every step),
+    or None when it is unset."""
     spec = os.environ.get(INJECT_DELAY_ENV, "").strip()
     if not spec:
         return None
     where, _, seconds = spec.partition(":")
-    rank, _, step = where.partition("@")
-    return int(rank), int(step), float(seconds)
+    rank, _, steps = where.partition("@")
+    chosen = None if steps == "*" else frozenset(int(step) for step in steps.split(","))
+    return InjectedDelay(int(rank), chosen, float(seconds))
 
 
 # NCCL's flight recorder: a ring buffer of the last collectives each rank entered and completed, dumped
