@@ -33,9 +33,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from trainer.observe.profile import is_communication, quiet_profiler, self_device_us
+from trainer.observe.profile import is_communication, quiet_profiler
 from trainer.observe.straggler_verdict import StragglerVerdict
 from trainer.process.joblog import say
 
@@ -121,11 +122,11 @@ class StragglerWatch:
 
 
 def own_seconds(prof: profile) -> float:
-    """A profiled step's compute on this rank: the self time of its kernels on the GPU where the
-    profile holds any, else of its CPU ops, communication left out (seconds)."""
-    averages = prof.key_averages()
-    device_us = sum(self_device_us(e) for e in averages if not is_communication(e.key))
-    if device_us > 0:
-        return device_us / 1e6
-    return sum(e.self_cpu_time_total for e in averages if not is_communication(e.key)) / 1e6
-
+    """A profiled step's compute on this rank (seconds), communication left out: the time of its
+    kernels and copies on the GPU where the profile holds any (the device's events, not the user
+    annotations that span them), else the self time of its CPU ops (which counts nested ops once)."""
+    events = [e for e in prof.events() if not is_communication(e.name)]
+    on_device = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    if on_device:
+        return sum(e.time_range.elapsed_us() for e in on_device) / 1e6
+    return sum(e.self_cpu_time_total for e in events) / 1e6
