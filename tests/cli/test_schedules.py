@@ -54,25 +54,27 @@ def test_bad_schedule_values_are_one_line_and_nothing_is_written(data_dir, tmp_p
     assert not run_dir.exists()
 
 
-WSD = ["optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.warmup_steps=2", "checkpoint.interval=4"]
+# 10 steps: the warmup (2), the stable phase (indices 2-4) and the decay (5-9), each a few steps
+WSD = ["optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.warmup_steps=2", "checkpoint.interval=4",
+       "train.max_steps=10"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_a_stable_phase_checkpoint_continues_bitwise_into_a_longer_run(data_dir, tmp_path, optim):
-    """A 20-step WSD run decays from step 10; its step-8 checkpoint is still in the stable phase, so
-    `resume=` it with train.max_steps=24 trains exactly as a 24-step WSD run from the start (whose
-    decay begins at step index 12)."""
+    """A 10-step WSD run decays from step 5; its step-4 checkpoint is still in the stable phase, so
+    `resume=` it with train.max_steps=12 trains exactly as a 12-step WSD run from the start (whose
+    decay begins at step index 6)."""
     short, longer, reference = tmp_path / "short", tmp_path / "longer", tmp_path / "reference"
     run_dtrain(tiny_args(data_dir, short, f"optim={optim}", *WSD, "checkpoint.keep=5"), check=True)
-    run_dtrain(tiny_args(data_dir, longer, f"optim={optim}", *WSD, "train.max_steps=24",
-                         f"resume={short / 'checkpoints' / 'step_000008'}"), check=True)
-    run_dtrain(tiny_args(data_dir, reference, f"optim={optim}", *WSD, "train.max_steps=24"), check=True)
+    run_dtrain(tiny_args(data_dir, longer, f"optim={optim}", *WSD, "train.max_steps=12",
+                         f"resume={short / 'checkpoints' / 'step_000004'}"), check=True)
+    run_dtrain(tiny_args(data_dir, reference, f"optim={optim}", *WSD, "train.max_steps=12"), check=True)
     want, got = train_losses(reference), train_losses(longer)
-    assert sorted(got) == list(range(9, 25))
+    assert sorted(got) == list(range(5, 13))
     assert got == {s: want[s] for s in got}
-    assert train_losses(short)[8] == want[8]  # the short run itself agreed until its decay began
-    assert train_losses(short)[14] != want[14]  # its decay (from step index 10) shows from step 12 on
+    assert train_losses(short)[4] == want[4]  # the short run itself agreed until its decay began
+    assert train_losses(short)[8] != want[8]  # its decay (from step index 5) shows from step 7 on
 
 
 @pytest.mark.slow

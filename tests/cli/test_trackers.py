@@ -156,10 +156,10 @@ def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(d
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     run, env, log = tmp_path / "run", tracker_env(tmp_path), tmp_path / "killed.log"
-    args = tiny_args(data_dir, run, "logger=[wandb,mlflow]", "train.max_steps=30", "checkpoint.interval=10")
+    args = tiny_args(data_dir, run, "logger=[wandb,mlflow]", "train.max_steps=12", "checkpoint.interval=4")
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-    wait_for(lambda: logged_steps(run)[-1:] >= [12], proc, log)
+    wait_for(lambda: logged_steps(run)[-1:] >= [6], proc, log)  # past the step-4 checkpoint
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     killed_steps = logged_steps(run)
@@ -171,7 +171,7 @@ def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(d
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"(step {resumed_at})" in again.stderr
     assert json.loads((run / "trackers.json").read_text()) == first  # the same W&B and MLflow runs
-    steps = list(range(1, 31))
+    steps = list(range(1, 13))
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == steps
     losses = mlflow_history(run, env, "loss")
     assert [s for s, _ in losses] == steps  # each step once, none missing
@@ -185,7 +185,7 @@ def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(d
     assert [r["folder"].rsplit("-", 1)[1] for r in runs] == [run_id] * 2
     assert runs[0]["id"] in (run_id, None) and runs[1]["id"] == run_id
     resumed = [s for s, _ in runs[1]["history"]["loss"]]
-    assert resumed == list(range(killed_steps[-1] + 1, 31))  # only what the killed run had not sent
+    assert resumed == list(range(killed_steps[-1] + 1, 13))  # only what the killed run had not sent
     sent_before = {s for s, _ in runs[0]["history"].get("loss", [])}
     assert not sent_before & set(resumed)
 

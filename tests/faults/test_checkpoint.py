@@ -37,7 +37,9 @@ def test_kill_and_resume_is_bitwise_identical(mode, data_dir, references, tmp_pa
 def test_bitwise_resume_holds_while_the_machine_is_busy(data_dir, references, tmp_path):
     """parallel=none's kill -9 and bitwise resume, on a busy machine: MKL and libgomp shrink their
     thread teams under load unless dynamic threading is off (trainer/__init__.py); two busy
-    processes per core run through the killed run and its resume."""
+    processes per core run through the killed run and its resume (the uninterrupted reference is
+    made, or taken from the session, before they start: it is what the resumed run must equal)."""
+    references("none")
     hog = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
         kill_and_resume_bitwise("none", data_dir, references, tmp_path)

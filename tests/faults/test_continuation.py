@@ -36,7 +36,7 @@ from trainer.preflight.continuation import check_same_data
 from trainer.preflight.rundir import CONFIG_RECORD, RunDirState, check_run_dir
 from trainer.tokenizers.gpt2 import GPT2_FINGERPRINT
 
-STEPS = 16
+STEPS = 10  # stopped after step 3: steps left to continue
 STOP_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")
 DDP = ("parallel=ddp", "world=2")
 ONE = ("parallel=none", "world=1")

@@ -28,7 +28,7 @@ HANG_S = 5  # launch.hang_timeout_s of these runs
 # what ending may take past the limit: the other ranks' answers are awaited 5 s (the least grace),
 # then the driver sees the workers exit; on a loaded 2-core machine a few seconds more
 BOUND_S = 5 + 15
-STEPS = 16
+STEPS = 10  # frozen past step 6: the continuation resumes step 4's checkpoint and trains to 10
 ARGS = ["world=2", "train.micro_batch_size=2", "train.total_batch_size=256", f"train.max_steps={STEPS}",
         "checkpoint.interval=4", f"launch.hang_timeout_s={HANG_S}"]
 

@@ -19,7 +19,7 @@ from helpers.runs import MODES
 
 from trainer.checkpoint.layout import checkpoint_step, is_complete, latest_checkpoint
 
-STEPS = 16
+STEPS = 10  # room for three stops a step or two apart, then a continuation to the end
 # No periodic checkpoint: the one the signal saves is the first (the save path from nothing).
 SIG_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")
 ORPHAN_TRIALS, ORPHAN_DEADLINE_S = 3, 15

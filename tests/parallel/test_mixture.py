@@ -26,7 +26,7 @@ from helpers.checkpoints import crashed_copy, loss_records, snapshot
 from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
 from helpers.processes import kill_past_a_checkpoint
-from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
+from helpers.runs import REFERENCE_BATCH, on_reference_steps
 from helpers.tokenizers import byte_level_folder
 
 from trainer.checkpoint.records import newest_resumable
@@ -173,12 +173,12 @@ MIX = ("data=mix", "data.mix={a: 0.7, b: 0.3}")
 
 @pytest.fixture(scope="module")
 def mix_dir(tmp_path_factory) -> Path:
-    """Two sources prepared from local text: a (about 30k tokens), b (a short other text, half of it
-    validation, so that its train split is read whole within a few steps)."""
+    """Two sources prepared from local text: a (about 30k tokens), b (a short other text, about 1,500
+    tokens, half of it validation, so that its train split is read whole within 10 steps)."""
     root = tmp_path_factory.mktemp("mix")
     text = corpus_text()
     (root / "a.txt").write_text(text[:120_000])
-    (root / "b.txt").write_text(text[-5_000:].upper())
+    (root / "b.txt").write_text(text[-3_500:].upper())
     for name, fraction in (("a", "0.1"), ("b", "0.5")):
         run_dtrain(["prepare", "data=text", f"data.name={name}", f"data.source={root / f'{name}.txt'}",
                     f"data.dir={root}", f"data.val_fraction={fraction}"], check=True)
@@ -190,9 +190,12 @@ def mix_args(mix_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return [a for a in args if a not in ("data=text", "data.name=corpus")]
 
 
-# The 256-token reference steps with a checkpoint every 3 steps: each mode's uninterrupted run is
-# both a parity run and the reference its kill -9 and resume is compared with.
-CHECKPOINTED = (*REFERENCE_BATCH, "checkpoint.interval=3")
+# The 256-token reference steps, 12 of them, with a checkpoint every 3 steps (3, 6, 9, 12; 6, 9 and 12
+# kept): each mode's uninterrupted run is both a parity run and the reference its kill -9 and resume
+# is compared with.
+STEPS = 12
+CHECKPOINTED = (*(a for a in REFERENCE_BATCH if not a.startswith("train.max_steps=")), f"train.max_steps={STEPS}",
+                "checkpoint.interval=3")
 
 
 def checkpointed_args(mix_dir: Path, run_dir: Path, mode: str) -> list[str]:
@@ -233,7 +236,7 @@ def test_every_mode_reads_the_same_mixture(mix_runs):
     source in every step record and the summary, at the weights' shares."""
     runs = {mode: mix_runs(mode)[0] for mode in ("none", "ddp", "zero", "fsdp")}
     want = train_losses(runs["none"])
-    assert sorted(want) == list(range(1, REFERENCE_STEPS + 1))
+    assert sorted(want) == list(range(1, STEPS + 1))
     for mode in ("ddp", "zero", "fsdp"):
         got = train_losses(runs[mode])
         assert max(abs(got[s] - want[s]) for s in want) < 1e-5, mode
@@ -248,7 +251,7 @@ def test_every_mode_reads_the_same_mixture(mix_runs):
     records = read_metrics(runs["none"])
     (summary,) = [r["summary"] for r in records if "summary" in r]
     by_source = summary["tokens_by_source"]
-    assert sum(by_source.values()) == summary["tokens"] == REFERENCE_STEPS * 256
+    assert sum(by_source.values()) == summary["tokens"] == STEPS * 256
     assert abs(by_source["a"] / summary["tokens"] - 0.7) <= 0.01, by_source
     steps = [r for r in records if "loss" in r]
     assert all(sum(r["tokens_by_source"].values()) == r["tokens"] for r in steps)
@@ -264,7 +267,7 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
     assert "data.mix's source 'b' was read whole" in done, done[-3000:]
     run_dir = tmp_path / "run"
     args = checkpointed_args(mix_dir, run_dir, "ddp")
-    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < REFERENCE_STEPS
+    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < STEPS
     before = snapshot(run_dir)
     changed = run_dtrain([*args, "data.mix.b=0.4"])
     assert_user_error(changed, "data.mix.b", f"resume={run_dir}")
@@ -274,12 +277,12 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
     assert loss_records(run_dir) == loss_records(reference)
     by_source = {r["step"]: r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r}
     assert by_source == {r["step"]: r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r}
-    # resharded: its step-12 checkpoint (of 12, 15, 16 kept) continued by one process (accumulation 2): the same tokens
+    # resharded: its step-9 checkpoint (of 6, 9, 12 kept) continued by one process (accumulation 2): the same tokens
     resharded = tmp_path / "resharded"
     run_dtrain(mix_args(mix_dir, resharded, *CHECKPOINTED, "parallel=none", "train.micro_batch_size=4",
-                        f"resume={reference / 'checkpoints' / 'step_000012'}"), check=True)
+                        f"resume={reference / 'checkpoints' / 'step_000009'}"), check=True)
     want, got = train_losses(reference), train_losses(resharded)
-    assert sorted(got) == list(range(13, REFERENCE_STEPS + 1)), got
+    assert sorted(got) == list(range(10, STEPS + 1)), got
     assert max(abs(got[s] - want[s]) for s in got) < 1e-5, (got, want)
     assert all(r["tokens_by_source"] == by_source[r["step"]] for r in read_metrics(resharded) if "loss" in r)
     # the checkpoint records each source's identity: b prepared again from other text is refused
@@ -296,18 +299,18 @@ def test_kill_and_resume_a_mixture_bitwise(mix_dir, mix_runs, tmp_path):
 
 @pytest.mark.slow
 def test_a_crashed_mixture_continues_with_its_weights_written_otherwise(mix_dir, mix_runs, tmp_path):
-    """A {a: 0.7, b: 0.3} run crashed after its step-15 checkpoint: the command with {a: 7, b: 3}
+    """A {a: 0.7, b: 0.3} run crashed after its step-9 checkpoint: the command with {a: 7, b: 3}
     continues it and ends bitwise as the uninterrupted run (issue 45: refused as a changed setting);
     {a: 0.6, b: 0.4} is still one line naming resume=, nothing written."""
     reference, _ = mix_runs("none")
     run_dir = tmp_path / "run"
-    crashed_copy(reference, run_dir, REFERENCE_STEPS - 1)
+    crashed_copy(reference, run_dir, STEPS - 3)
     args = checkpointed_args(mix_dir, run_dir, "none")
     before = snapshot(run_dir)
     assert_user_error(run_dtrain(retyped(args, "{a: 0.6, b: 0.4}")), "data.mix.a=0.7 there vs 0.6", f"resume={run_dir}")
     assert snapshot(run_dir) == before
     resumed = run_dtrain(retyped(args, "{a: 7, b: 3}"), check=True)
-    assert f"resuming from {run_dir / 'checkpoints'}/step_0000{REFERENCE_STEPS - 1}" in resumed.stderr, resumed.stderr
+    assert f"resuming from {run_dir / 'checkpoints'}/step_{STEPS - 3:06d}" in resumed.stderr, resumed.stderr
     assert loss_records(run_dir) == loss_records(reference)
     by_source = [r["tokens_by_source"] for r in read_metrics(run_dir) if "loss" in r]
     assert by_source == [r["tokens_by_source"] for r in read_metrics(reference) if "loss" in r]
@@ -325,7 +328,7 @@ def test_kill_and_resume_a_mixture_bitwise_with_sharded_state(mode, mix_dir, mix
     reference, _ = mix_runs(mode)
     run_dir = tmp_path / "run"
     args = checkpointed_args(mix_dir, run_dir, mode)
-    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < REFERENCE_STEPS
+    assert kill_past_a_checkpoint(args, run_dir, tmp_path / "killed.log") < STEPS
     resumed = run_dtrain(args, check=True)
     assert f"resuming from {run_dir / 'checkpoints'}/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert loss_records(run_dir) == loss_records(reference)

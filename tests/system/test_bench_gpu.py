@@ -30,7 +30,9 @@ def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
     out, data = tmp_path / "rows.json", tmp_path / "data"
     for name in ("corpus", "corpus_b"):  # the mixture row's two prepared sources
         shutil.copytree(data_dir / "corpus", data / name)
-    proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1",
+    # --batches 4: the middle batch alone (the rows measured against it need it; each other batch is
+    # the same code again, and test_sections_and_batches_pick_the_rows measures another)
+    proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1", "--batches", "4",
                      "--json", str(out), "--mix", "corpus:0.7,corpus_b:0.3",
                      "data=text", "data.name=corpus", f"data.dir={data}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

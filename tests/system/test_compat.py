@@ -37,6 +37,7 @@ STEPS = REFERENCE_STEPS
 # (kill -9 lands between them). The same runs as test_parity's and test_muon's, shared with them
 # (conftest.shared_run) when the whole suite runs; the compat tier alone makes its own.
 OPTIMIZERS = {"adamw": REFERENCE_BATCH, "muon": MUON_BATCH}
+CP_VALIDATED = "train.val_interval=8"  # test_context_parallel.VALIDATED
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,10 @@ def test_context_and_tensor_parallelism_match_one_process(runs, shared_run):
     keys and values, the bottom-right causal mask and the flattened dp_shard x cp mesh
     (trainer/parallel/context_parallel.py), and the DTensor shards of the tensor-parallel plan."""
     reference = train_losses(runs("reference", "adamw"))
-    for layout in (["parallel=fsdp", "parallel.cp=2", "world=2"], ["parallel=fsdp", "parallel.tp=2", "world=2"]):
+    # the context-parallel run is test_context_parallel's fsdp_cp2 run, argument for argument (its
+    # validation at step 8 too): the whole suite trains it once (conftest.shared_run)
+    for layout in ([CP_VALIDATED, "parallel=fsdp", "parallel.cp=2", "world=2"],
+                   ["parallel=fsdp", "parallel.tp=2", "world=2"]):
         got = train_losses(shared_run(*REFERENCE_BATCH, *layout, "train.micro_batch_size=2")[0])
         assert_matches_one_process(reference, got, STEPS, f"{' '.join(layout)} on torch {torch.__version__}")
 
