@@ -25,12 +25,13 @@ from helpers.processes import wait_for_steps, worker_pids
 from trainer.observe.stragglers import StragglerWatch
 
 STEPS = 32
-SAMPLED = [11, 21, 31]  # train.log_interval=1 (tiny_args): a sample every 10 steps, not the first step
+SAMPLED = [11, 21, 31]  # train.log_interval=1 (tiny_args), train.straggler_every=10; never the first step
 DELAY_S = 1.0
 
 
 def _args(data_dir: Path, run_dir: Path, mode: str = "ddp", *extra: str) -> list[str]:
-    return tiny_args(data_dir, run_dir, f"parallel={mode}", "world=2", f"train.max_steps={STEPS}", *extra)
+    return tiny_args(data_dir, run_dir, f"parallel={mode}", "world=2", f"train.max_steps={STEPS}",
+                     "train.straggler_every=10", *extra)
 
 
 def _notices(stderr: str) -> list[str]:
@@ -131,7 +132,7 @@ def test_a_balanced_run_names_nobody(data_dir, tmp_path):
 
 def test_one_process_or_ratio_zero_samples_nothing():
     def watch(world: int, ratio: float) -> StragglerWatch:
-        cfg = SimpleNamespace(train=SimpleNamespace(straggler_ratio=ratio, log_interval=1))
+        cfg = SimpleNamespace(train=SimpleNamespace(straggler_ratio=ratio, straggler_every=10, log_interval=1))
         rt = SimpleNamespace(distributed=world > 1, world=world, rank=0, is_main=True)
         return StragglerWatch(cfg, rt, lambda: 0.0)
 

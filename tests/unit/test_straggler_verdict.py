@@ -45,6 +45,7 @@ def test_a_balanced_run_a_broken_streak_and_a_changing_rank_name_nobody():
     assert [verdict.add([0.1, 0.1, 0.1, 0.3]) for _ in range(PATIENCE)][-1].startswith("rank 3 on node-b")
 
 
-@pytest.mark.parametrize("log_interval, period", [(1, 10), (5, 10), (3, 12), (10, 10), (25, 25)])
-def test_a_sample_every_ten_steps_or_so_in_whole_log_intervals(log_interval, period):
-    assert sample_period(log_interval) == period
+@pytest.mark.parametrize("log_interval, every, period", [(1, 10, 10), (5, 10, 10), (3, 10, 12), (10, 50, 50),
+                                                         (25, 10, 25), (10, 1, 10)])
+def test_a_sample_every_straggler_every_steps_in_whole_log_intervals(log_interval, every, period):
+    assert sample_period(log_interval, every) == period

@@ -69,7 +69,7 @@ OPERATIONAL = (
     "model.attention",
     # watched
     "train.log_interval", "train.val_interval", "train.val_tokens", "train.progress",
-    "train.profile.", "train.memory_snapshot", "train.straggler_ratio",
+    "train.profile.", "train.memory_snapshot", "train.straggler_ratio", "train.straggler_every",
     # the old names (RENAMED_KEYS), each moved to its new key before anything reads it
     *RENAMED_KEYS,
     "train.sample_prompt", "train.sample_tokens", "train.peak_flops", "eval.", "logger",

@@ -328,11 +328,13 @@ class TrainConfig:
     # (else the first) step to <run dir>/memory/rank<R>_step<N>.pickle (trainer/observe/memory.py);
     # an out-of-memory error then dumps one too.
     memory_snapshot: bool = False
-    # A multi-process run samples one step in every 10 or so (trainer/observe/stragglers.py): each
-    # rank's own time in it (compute and reading its batches, not waiting for the others) goes to
-    # metrics.jsonl, and a rank slower than this many times the other ranks' median for 3 samples in a row
-    # is named in a notice. 0 = no sampling.
+    # A multi-process run samples one step in every straggler_every (rounded up to whole log
+    # intervals; trainer/observe/stragglers.py): each rank's own time in it (compute and reading its
+    # batches, not waiting for the others) goes to metrics.jsonl, and a rank slower than
+    # straggler_ratio times the other ranks' median for 3 samples in a row is named in a notice.
+    # straggler_ratio=0: no sampling.
     straggler_ratio: float = 1.2
+    straggler_every: int = 50
 
 
 @dataclass

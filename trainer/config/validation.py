@@ -92,6 +92,7 @@ RANGES = {
     "launch.hang_timeout_s": _at_least(0),  # 0 = no hang watch
     "train.straggler_ratio": (lambda v: v == 0 or v > 1,
                               "0 (off) or above 1 (a rank's time over the other ranks' median)"),
+    "train.straggler_every": _at_least(1),
     "launch.threads_per_worker": _at_least(1),
     "train.seed": _at_least(0),  # numpy's generators take no negative seed
     "train.max_steps": _at_least(1),
