@@ -13,11 +13,13 @@ from helpers import user_error_kinds
 from helpers.dtrain import REPO, dtrain_env, run_dtrain, tiny_args
 from helpers.errors import one_line_error
 from helpers.user_error_kinds import LINES, OnlyInATest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import trainer
 from trainer.errors import UserError
 from trainer.launch.worker_errors import INJECT_ENV, leave_with_user_error, reported_user_error
-from trainer.process.error_record import ERROR_FILE_ENV, USER_ERROR_EXIT
+from trainer.launch.workers import ERROR_FILE_NAME, recorded_line
+from trainer.process.error_record import ERROR_FILE_ENV, USER_ERROR_EXIT, USER_ERROR_KEY
 
 TESTS = REPO / "tests"
 
@@ -89,3 +91,21 @@ def test_a_corrupt_checkpoint_crosses_from_a_world_2_worker(data_dir, tmp_path):
     proc = _raise_in_worker(data_dir, tmp_path / "run", kind, "@1")
     assert one_line_error(proc) == f"error: {LINES[kind]}"
     assert "Traceback" not in proc.stdout
+
+
+def test_a_recorded_line_wins_though_another_worker_is_the_first_failure(tmp_path):
+    """A hang's reporting rank records its line, then ends the frozen rank (-9): the agent may stop on
+    that death alone, before the reporting rank is among the failures. The driver still finds the
+    line, in the other worker's error file beside the failed one's."""
+    run_logs = tmp_path / "run-id_x1y2"
+    attempt = run_logs / "attempt_1"  # a restart's: the last attempt is read
+    for folder in (run_logs / "attempt_0" / "0", attempt / "0", attempt / "1"):
+        folder.mkdir(parents=True)
+    (run_logs / "attempt_0" / "0" / ERROR_FILE_NAME).write_text(json.dumps({USER_ERROR_KEY: "an earlier attempt's"}))
+    # the killed worker left no file: torchelastic's failure holds no path to it
+    frozen = ProcessFailure(local_rank=1, pid=4321, exitcode=-9, error_file=str(attempt / "1" / ERROR_FILE_NAME))
+    err = ChildFailedError("trainer", {1: frozen})
+    assert recorded_line(err, str(run_logs)) is None  # nothing recorded yet: the driver reports the failure
+    (attempt / "0" / ERROR_FILE_NAME).write_text(json.dumps({USER_ERROR_KEY: "the run hung: rank 1 did not answer"}))
+    assert recorded_line(err, str(run_logs)) == "the run hung: rank 1 did not answer"
+    assert recorded_line(err, None) is None

@@ -80,10 +80,11 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         with _environment({**worker_env, **worker_environment()}), DriverSignals() if stop_signals else nullcontext():
             results = elastic_launch(config, worker_process)(entrypoint, *args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        line = reported_user_error(failure.error_file_data)
+        # torchelastic's folder of this launch's worker logs (set once the agent has started them)
+        line = recorded_line(err, getattr(logs, "_run_log_dir", None))
         if line is not None:
             raise UserError(line) from None
+        rank, failure = err.get_first_failure()
         message = _failure_message(failure)
         first = message.split("\n")[0]
         for kind in ONE_LINE_FAILURES:
@@ -166,6 +167,31 @@ def _quiet_user_errors() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropUserErrorReports) for f in logger.filters):
             logger.addFilter(_DropUserErrorReports())
+
+
+ERROR_FILE_NAME = "error.json"  # each worker's TORCHELASTIC_ERROR_FILE, as torchelastic names it
+
+
+def recorded_line(err: ChildFailedError, run_log_dir: str | None) -> str | None:
+    """The one line a worker of this host recorded (trainer/process/error_record.py), whichever worker
+    failed first. A hang's reporting rank records its line and then ends the frozen rank (-9): the
+    agent may see that death, and stop, before the reporting rank has exited and is among the
+    failures. So every local worker's error file of the last attempt is read too
+    (torchelastic's <run log dir>/attempt_<n>/<local rank>/error.json)."""
+    for _, failure in sorted(err.failures.items()):
+        line = reported_user_error(failure.error_file_data)
+        if line is not None:
+            return line
+    attempts = sorted(Path(run_log_dir).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1])) \
+        if run_log_dir else []
+    for path in sorted(attempts[-1].glob(f"*/{ERROR_FILE_NAME}")) if attempts else []:
+        try:
+            line = reported_user_error(json.loads(path.read_text()))
+        except (OSError, ValueError):  # a file being written, or not a record
+            continue
+        if line is not None:
+            return line
+    return None
 
 
 def _failure_message(failure) -> str:
