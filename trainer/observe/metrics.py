@@ -89,9 +89,13 @@ class MetricsLogger:
         record = {k: (round(v, 7) if isinstance(v, float) and math.isfinite(v) else _json_safe(v))
                   for k, v in record.items()}
         record.setdefault("time", round(time.time(), 3))
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        # The trackers first: a continuation takes every step in metrics.jsonl as sent to them
+        # (trackers.py's already_sent), so a kill between the two writes must not leave a line here
+        # that they lack (its step would be missing there for good). The other way round it leaves a
+        # step they have and this file lacks, sent again: the window is one line's write.
         for sink in self.sinks:
             sink.log(record)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
 
     def rewind(self, step: int) -> None:
         """Drop the lines past `step` (a rollback to a checkpoint at `step`), as a resume does."""
