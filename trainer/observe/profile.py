@@ -150,9 +150,9 @@ def profile_table(prof: profile, step_seconds: list[float], window: tuple[int, i
     """Rank 0's table: the top ops by self time (CUDA's where the trace has kernels, else the CPU's),
     the profiled steps' mean wall time and the share of it with communication in flight."""
     averages = prof.key_averages()
-    on_device = any(self_device_us(e) > 0 for e in averages)
+    on_device = any(_self_device_us(e) > 0 for e in averages)
     ops = [e for e in averages if not e.key.startswith(STEP_LABEL)]  # the step spans are not ops
-    ranked = sorted(ops, key=self_device_us if on_device else (lambda e: e.self_cpu_time_total), reverse=True)
+    ranked = sorted(ops, key=_self_device_us if on_device else (lambda e: e.self_cpu_time_total), reverse=True)
     wall_us = sum(step_seconds) * 1e6
     comm_us = _union_us([(e.time_range.start, e.time_range.end) for e in prof.events() if is_communication(e.name)])
     mean = sum(step_seconds) / max(1, len(step_seconds))
@@ -162,12 +162,12 @@ def profile_table(prof: profile, step_seconds: list[float], window: tuple[int, i
     header = f"  {'op':<{width}}  {'self CPU':>10}" + (f"  {'self CUDA':>10}" if on_device else "") + f"  {'calls':>6}"
     lines.append(header)
     for e in ranked[:TOP_OPS]:
-        device = f"  {_ms(self_device_us(e)):>10}" if on_device else ""
+        device = f"  {_ms(_self_device_us(e)):>10}" if on_device else ""
         lines.append(f"  {_short(e.key):<{width}}  {_ms(e.self_cpu_time_total):>10}{device}  {e.count:>6}")
     return "\n".join(lines)
 
 
-def self_device_us(event) -> float:
+def _self_device_us(event) -> float:
     # torch renamed self_cuda_time_total to self_device_time_total (2.4); the floor torch has both
     return getattr(event, "self_device_time_total", 0.0) or 0.0
 

@@ -10,10 +10,15 @@ import statistics
 PATIENCE = 3  # samples in a row over the ratio before a notice
 
 
+def slowest_and_median(times: list[float]) -> tuple[int, float]:
+    """The slowest rank and the other ranks' median time."""
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return slowest, statistics.median(times[:slowest] + times[slowest + 1:])
+
+
 def slowest_over_median(times: list[float]) -> float:
     """The slowest rank's time over the other ranks' median (1.0: balanced)."""
-    slowest = max(range(len(times)), key=times.__getitem__)
-    median = statistics.median(times[:slowest] + times[slowest + 1:])
+    slowest, median = slowest_and_median(times)
     return times[slowest] / median if median > 0 else math.inf
 
 
@@ -28,8 +33,8 @@ class StragglerVerdict:
         self.streak = 0
 
     def add(self, times: list[float]) -> str | None:
-        slowest = max(range(len(times)), key=times.__getitem__)
-        if slowest_over_median(times) <= self.ratio:
+        slowest, median = slowest_and_median(times)
+        if median <= 0 or times[slowest] <= self.ratio * median:  # no figure to compare with, or balanced
             self.streak_rank, self.streak = None, 0
             return None
         if slowest != self.streak_rank:
@@ -37,7 +42,6 @@ class StragglerVerdict:
         self.streak += 1
         if self.streak != PATIENCE:
             return None
-        median = statistics.median(times[:slowest] + times[slowest + 1:])
         return (f"rank {slowest} on {self.hosts[slowest]} is a straggler: its own time in a step is "
                 f"{times[slowest] * 1e3:.1f} ms against the other ranks' median {median * 1e3:.1f} ms "
                 f"({times[slowest] / median:.2f}x, over train.straggler_ratio={self.ratio:g} for {PATIENCE} "
