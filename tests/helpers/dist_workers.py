@@ -7,15 +7,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from trainer.config.batch import mesh_shape, requested_world
 from trainer.config.schema import from_dict
 from trainer.fit.run import Run
-from trainer.model.config import GPTConfig
+from trainer.model.config import GPTConfig, MoEConfig
 from trainer.model.gpt import GPT
 from trainer.parallel import strategy_class
 from trainer.parallel.context_parallel import SequenceSplit
+from trainer.parallel.tensor_parallel import canonical_state, parallelize, sum_whole_parameter_grads
 from trainer.process.runtime import init_runtime
 
 
@@ -71,6 +73,27 @@ def val_figures_on_weights(cfg_dicts: list[dict], run_dir: str, weights: str) ->
         rt.shutdown()
 
 
+def _whole_model_figures(blocks: dict, activation_checkpointing: bool, loss_chunks: int) -> tuple:
+    """(model, x, y, loss, gradients, per-token losses, logits) of one fp64 forward and backward of a
+    tiny GPT of `blocks` (GPTConfig fields; `moe`: MoEConfig fields) on whole sequences (seed 0)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    fields = dict(blocks)
+    if "moe" in fields:
+        fields["moe"] = MoEConfig(**fields["moe"])
+    model = GPT(GPTConfig(**fields)).double()
+    model.activation_checkpointing, model.loss_chunks = activation_checkpointing, loss_chunks
+    x = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
+    y = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
+    whole = model(x, y)[1]
+    whole.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        tokens, logits = model(x, y, per_token=True)[1], model(x)[0]
+    model.zero_grad()
+    return model, x, y, whole, grads, tokens, logits
+
+
 def sequence_split_differences(blocks: dict, activation_checkpointing: bool, loss_chunks: int) -> dict:
     """One fp64 forward and backward of a tiny GPT of `blocks` (GPTConfig fields) over whole
     sequences, then over this rank's share of them (trainer/parallel/context_parallel.py) with the
@@ -78,18 +101,7 @@ def sequence_split_differences(blocks: dict, activation_checkpointing: bool, los
     per-token losses validation reads."""
     dist.init_process_group("gloo")
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**blocks)).double()
-        model.activation_checkpointing, model.loss_chunks = activation_checkpointing, loss_chunks
-        x = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
-        y = torch.randint(0, blocks["vocab_size"], (3, blocks["block_size"]))
-        whole = model(x, y)[1]
-        whole.backward()
-        want = {n: p.grad.clone() for n, p in model.named_parameters()}
-        with torch.no_grad():
-            want_tokens = model(x, y, per_token=True)[1]
-        model.zero_grad()
+        model, x, y, whole, want, want_tokens, _ = _whole_model_figures(blocks, activation_checkpointing, loss_chunks)
         model.sequence_split = SequenceSplit(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
         local = model(x, y)[1]
         local.backward()
@@ -104,5 +116,35 @@ def sequence_split_differences(blocks: dict, activation_checkpointing: bool, los
             tokens = model(x, y, per_token=True)[1]
         return {"loss": abs(loss.item() / dist.get_world_size() - whole.item()), "grads": grads,
                 "per_token": (tokens - want_tokens).abs().max().item()}
+    finally:
+        dist.destroy_process_group()
+
+
+def sequence_parallel_differences(blocks: dict, activation_checkpointing: bool, loss_chunks: int) -> dict:
+    """One fp64 forward and backward of a tiny GPT of `blocks` (GPTConfig fields; `moe`: MoEConfig
+    fields) whole, then split over the ranks by tensor and sequence parallelism
+    (trainer/parallel/tensor_parallel.py): the largest differences in the loss, the gradients (the
+    whole parameters' summed over the group as a step does), the per-token losses, and the logits of
+    a forward without targets; and the positions each rank's first norm saw."""
+    dist.init_process_group("gloo")
+    try:
+        model, x, y, whole, want, want_tokens, want_logits = _whole_model_figures(
+            blocks, activation_checkpointing, loss_chunks)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        model = parallelize(model, mesh)
+        seen = []
+        model.transformer.h[0].ln_1.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+        split = model(x, y)[1]
+        split.backward()
+        sum_whole_parameter_grads(model)
+        got = canonical_state(model, {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                                      for n, p in model.named_parameters()})
+        grads = max((got[n] - want[n]).abs().max().item() for n in want)
+        with torch.no_grad():
+            tokens = model(x, y, per_token=True)[1]
+            logits = model(x)[0]
+        return {"loss": abs(split.item() - whole.item()), "grads": grads,
+                "per_token": (tokens - want_tokens).abs().max().item(),
+                "logits": (logits - want_logits).abs().max().item(), "positions": seen}
     finally:
         dist.destroy_process_group()

@@ -48,7 +48,8 @@ def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
     """The run's mesh from parallel.dp_replicate, parallel.cp and parallel.tp: dp_shard takes the rest
     of `world`, so their product must divide it; parallel.ep splits the experts over part of dp_shard.
     Context parallelism cuts each sequence into 2 x cp equal chunks (trainer/parallel/context_parallel.py),
-    so it must divide train.seq_len that way."""
+    so it must divide train.seq_len that way; tensor parallelism splits each rank's positions over its
+    tp ranks (sequence parallelism), so cp x tp must divide it too."""
     p = cfg.parallel
     sizes = {"parallel.dp_replicate": p.dp_replicate, "parallel.cp": p.cp, "parallel.tp": p.tp}
     for key, size in sizes.items():
@@ -67,6 +68,12 @@ def mesh_shape(cfg: DictConfig, world: int) -> MeshShape:
             f"parallel.cp={p.cp} cuts each sequence into 2 x cp = {2 * p.cp} equal chunks (one early and one "
             f"late per rank, for balanced causal attention), which train.seq_len={seq_len} is not a multiple "
             f"of; choose a train.seq_len divisible by {2 * p.cp}"
+        )
+    if p.tp > 1 and seq_len % (p.cp * p.tp):
+        held = f"the {seq_len // p.cp} positions each rank holds of a sequence" if p.cp > 1 else "each sequence"
+        raise ConfigError(
+            f"parallel.tp={p.tp} splits {held} into {p.tp} equal parts (sequence parallelism), which "
+            f"train.seq_len={seq_len} does not allow; choose a train.seq_len divisible by {p.cp * p.tp}"
         )
     dp_shard = world // fixed
     ep = p.get("ep", 1)  # a saved config from before expert parallelism has no key

@@ -194,6 +194,7 @@ class Run:
         optimizer can, so no host sync comes before the update. Returns (mean loss over all ranks,
         gradient norm before clipping)."""
         self.progress.at(self.plan.grad_accum_steps - 1, 3)
+        self.strategy.reduce_gradients(self.model)
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         # a MoE model's aux loss and a sampled step's straggler figures ride the check's all-reduce
         # (trainer/fit/experts.py, trainer/observe/stragglers.py)

@@ -47,6 +47,9 @@ class GPT(nn.Module):
         # parallel.cp > 1 (trainer/parallel/context_parallel.py): a forward with targets computes this
         # rank's share of each sequence; forwards without (decoding, scoring) run whole on every rank.
         self.sequence_split = None
+        # parallel.tp > 1 (trainer/parallel/tensor_parallel.py): sequence parallelism, each tp rank
+        # holding its positions of the residual stream in a forward with targets.
+        self.sequence_shards = None
         # A model on the meta device (the memory plan's: shapes only) has no values to initialise, and
         # torch's meta normal_ is a Python reference that costs milliseconds a tensor (and its first
         # call imports torch._dynamo): seconds for a deep model, for nothing.
@@ -131,7 +134,8 @@ class GPT(nn.Module):
         positions and under the mask it gives, and attends to what the cache holds.
         With `sequence_split` set (context parallelism), a forward with targets computes this rank's
         share of the tokens: the loss is their mean and the logits are theirs; `per_token` gives
-        every token's loss, gathered from the group."""
+        every token's loss, gathered from the group. With `sequence_shards` set (tensor parallelism),
+        likewise over the tp ranks' positions, but the loss is the whole mean on every rank."""
         B, T = idx.shape
         split = self.sequence_split if targets is not None and cache is None else None
         if cache is None:
@@ -143,10 +147,15 @@ class GPT(nn.Module):
         if split is not None:
             pos = split.positions(T, idx.device)
             idx, targets = split.local(idx), split.local(targets)
+        shards = self.sequence_shards
+        if shards is not None and not shards.begin(idx.shape[1] if targets is not None and cache is None else None):
+            shards = None
         x = self.transformer.wte(idx)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
+        if shards is not None:
+            x, targets = shards.local(x), shards.local(targets)
         rope = self.rope(pos)
         if rope is not None and cache is not None:  # per row (B, T, d): broadcast over the heads
             rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
@@ -180,8 +189,12 @@ class GPT(nn.Module):
                 aux = sum(layer.aux_loss for layer in layers) / len(layers)
                 loss = loss + self.config.moe.aux_loss_coef * aux
         if per_token:
-            # under context parallelism every rank returns the whole sequences' losses, in order
+            # under context and sequence parallelism every rank returns the whole sequences' losses, in order
+            if shards is not None:
+                loss = shards.whole(loss.view(B, -1)).view(-1)
             return None, loss if split is None else split.whole(loss.view(B, -1)).view(-1)
+        if shards is not None:  # the tp ranks' positions: their shares' mean
+            loss = shards.mean(loss)
         # The mean over this rank's tokens: a context-parallel group's ranks hold equal shares, so the
         # mean of their means (the gradients' average over the group, the logged loss's) is the whole's.
         return logits, loss

@@ -170,6 +170,13 @@ class Strategy:
             return contextlib.nullcontext()
         return torch.autocast(self.rt.device.type, dtype=dtype)
 
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Complete what the step's backward left partial, before anything reads the gradients: with
+        parallel.tp > 1 the parameters every tp rank holds whole saw only that rank's positions
+        (sequence parallelism), so they are summed over the tp group."""
+        if self.rt.shape.tp > 1:
+            tensor_parallel_plan().sum_whole_parameter_grads(self.unwrap(model))
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global norm over all gradients and return that norm (before clipping)."""
         if self.rt.shape.tp > 1 or self.rt.shape.ep > 1:  # DTensors on several meshes (tp's, ep's, FSDP's)

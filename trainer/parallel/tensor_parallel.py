@@ -1,10 +1,20 @@
 """The tensor-parallel plan of dtrain's blocks (parallel.tp > 1), Megatron's: each block's first
 matrices split by output rows (column-wise: c_attn's q, k and v by whole heads, c_fc's hidden units),
-its second by input columns (row-wise: both c_proj), so a block costs one all-reduce of the residual
-stream in the forward (after each c_proj) and one in the backward (before each first matrix).
+its second by input columns (row-wise: both c_proj).
 
-Embeddings, norms and the output head stay whole on every tensor-parallel rank (a gathered head):
-their inputs are the replicated residual stream, so their gradients agree across the group.
+Sequence parallelism (Megatron's, arXiv 2205.05198) runs every training and validation forward:
+between the blocks' matrices the residual stream is split by position, each tp rank holding T / tp
+positions of every sequence (`SequenceShards`), so the norms, the residual adds, dropout and the
+blocks' checkpointed inputs cost 1/tp of their whole-stream memory and compute. Each block's input is
+all-gathered before its column-wise matrices (the backward reduce-scatters) and each row-wise output
+is reduce-scattered back to positions (the backward all-gathers): the same bytes as the two
+all-reduces without it, in collectives of half the traffic each. The head too runs on the rank's own
+positions, so its matmul and logits are 1/tp of the whole (a vocabulary-split loss-parallel head
+would save the same compute; this one keeps tied embeddings and every loss kernel as they are).
+Parameters the tp ranks each hold whole (embeddings, norms, head, a mixture of experts' layer) see
+only their rank's positions: their gradients are summed over the group once per step
+(`sum_whole_parameter_grads`), one all-reduce. A forward that cannot be split (decoding, scoring a
+continuation of any length) runs the stream whole on every rank, as without sequence parallelism.
 
 Two matrices hold several matrices side by side (trainer/model/layers.py): c_attn is [q | k | v] and
 SwiGLU's c_fc is [gate | up]. DTensor's Shard(0) gives each rank one contiguous block of rows, which
@@ -23,10 +33,15 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+import torch.distributed._functional_collectives as funcol
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from trainer.model.gpt import GPT
+
+# torch 2.13 renamed the functional all-gather (the old name warns); the floor torch has only the old.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def fused_parts(model: GPT) -> dict[str, tuple[int, ...]]:
@@ -58,6 +73,59 @@ def ungroup_rows(tensor: torch.Tensor, widths: tuple[int, ...], tp: int) -> torc
     return torch.cat([piece.flatten(0, 1) for piece in grouped], dim=0)
 
 
+class SequenceShards:
+    """Sequence parallelism's split of the residual stream over the tp ranks of `mesh` (see the module
+    doc). The model calls `begin` at every forward; the blocks' hooks read `active`."""
+
+    def __init__(self, mesh):
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
+        self.active = False
+
+    def begin(self, seq_len: int | None) -> bool:
+        """Whether this forward runs split: one with targets (`seq_len` its local length; None for a
+        forward without) whose positions divide evenly (config validation holds training to it). The
+        flag stays until the next forward: activation checkpointing re-runs the blocks in backward."""
+        self.active = seq_len is not None and seq_len % self.size == 0
+        return self.active
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of (B, T, ...) x: the backward leaves the others' gradient zero, so
+        the whole parameters before it (embeddings) get their share, summed after the step's backward."""
+        return x.chunk(self.size, dim=1)[self.rank].contiguous()
+
+    def gather(self, x: torch.Tensor) -> DTensor:
+        """(B, T / tp, C) positions -> the whole (B, T, C), replicated, as a DTensor a column-wise
+        matrix takes as it is: its input gradient, partial over the ranks' heads, reduce-scatters back."""
+        return DTensor.from_local(x, self.mesh, (Shard(1),), run_check=False).redistribute(self.mesh, (Replicate(),))
+
+    def mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of the ranks' equal shares of the tokens' loss, as each rank's value; its gradient is
+        this rank's share alone, since the collectives and the summed gradients add the ranks' up."""
+        share = loss / self.size
+        whole = funcol.all_reduce(share.detach(), "sum", self.group)
+        return share + (whole - share).detach()
+
+    def whole(self, per_token: torch.Tensor) -> torch.Tensor:
+        """(B, T / tp) values of this rank's positions -> (B, T) of every position, on every rank
+        (validation's per-token losses; no gradient)."""
+        return _all_gather(per_token.contiguous(), gather_dim=1, group=self.group)
+
+
+class _RowwiseToPositions(RowwiseParallel):
+    """Row-wise, with the partial sums reduce-scattered to the rank's positions when the forward is
+    sequence-parallel and all-reduced to the whole stream when not (torch's RowwiseParallel fixes
+    one output layout at parallelize time; this overrides the hook it registers for it)."""
+
+    def __init__(self, shards: SequenceShards):
+        super().__init__()
+        self.shards = shards
+
+    def _prepare_output_fn(self, _output_layouts, _use_local_output, _module, outputs, _device_mesh):
+        placement = Shard(1) if self.shards.active else Replicate()
+        return outputs.redistribute(placements=(placement,), async_op=True).to_local()
+
+
 def parallelize(model: GPT, tp_mesh) -> GPT:
     """Split every block of `model` (on its device, or meta) over the 1-D mesh `tp_mesh`, in place."""
     tp = tp_mesh.size()
@@ -66,10 +134,29 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
         for name, param in model.named_parameters():
             if name in parts:
                 param.data = group_rows(param.data, parts[name], tp)
-    attention = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel()}
-    mlp = {"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    shards = SequenceShards(tp_mesh)
+
+    def gather_input(module, args):
+        return (shards.gather(args[0]), *args[1:]) if shards.active else None
+
+    def gather_whole(module, args):
+        # A mixture of experts' layer runs whole on every rank (its routing statistics are the whole
+        # sequence's): a plain tensor, whose gradient (the rank's positions' share) reduce-scatters back.
+        return (shards.gather(args[0]).to_local(grad_placements=(Partial(),)),) if shards.active else None
+
+    def keep_local(module, args, output):
+        return shards.local(output) if shards.active else None
+
     for block in model.transformer.h:
-        parallelize_module(block, tp_mesh, {**attention, **(mlp if _dense(block) else {})})
+        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": _RowwiseToPositions(shards)}
+        if _dense(block):
+            plan |= {"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": _RowwiseToPositions(shards)}
+            block.mlp.register_forward_pre_hook(gather_input)
+        else:
+            block.mlp.register_forward_pre_hook(gather_whole)
+            block.mlp.register_forward_hook(keep_local)
+        parallelize_module(block, tp_mesh, plan)
+        block.attn.register_forward_pre_hook(gather_input)
         if block.attn.qk_norm:
             # QK-norm's weights act on every head, but a rank sees only its own heads: as DTensors
             # replicated over the group, with the input sharded by head (dimension 2 of (B, T, heads,
@@ -88,13 +175,36 @@ def parallelize(model: GPT, tp_mesh) -> GPT:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     model.tensor_parallel_parts = parts  # what the state-dict conversions regroup, and how
     model.tensor_parallel_degree = tp
+    model.sequence_shards = shards
     return model
+
+
+def sum_whole_parameter_grads(model: GPT) -> None:
+    """Sum over the tp group the gradients of the parameters every tp rank holds whole (not split
+    over the mesh's tp dimension): under sequence parallelism each holds its positions' share. One
+    all-reduce per dtype of their local pieces (FSDP's shards too: the same piece on every tp rank)."""
+    shards = model.sequence_shards
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is None or _split_over_tp(param):
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=shards.group)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
+
+
+def _split_over_tp(param) -> bool:
+    return isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ())
 
 
 def _dense(block) -> bool:
     """A block with a dense MLP. A mixture of experts' layer (trainer/model/moe.py) stays whole on every
-    tensor-parallel rank: its input, the attention's all-reduced output, is the same on all of them,
-    so are its gradients, and expert parallelism (parallel.ep) is what splits its experts."""
+    tensor-parallel rank: its input, gathered whole, is the same on all of them, and expert parallelism
+    (parallel.ep) is what splits its experts."""
     return hasattr(block.mlp, "c_fc")
 
 
