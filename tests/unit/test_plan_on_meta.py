@@ -131,6 +131,7 @@ MUON_LAYOUTS = {
     "fsdp2_tp2": ("fsdp", 4, ["parallel.tp=2"]),
     "hsdp2x2": ("hsdp", 4, ["parallel.dp_replicate=2"]),
     "hsdp2x2_tp2": ("hsdp", 8, ["parallel.dp_replicate=2", "parallel.tp=2"]),
+    "hsdp2x2_cp2": ("hsdp", 8, ["parallel.dp_replicate=2", "parallel.cp=2"]),  # cp folded into the shard group
 }
 
 
