@@ -15,6 +15,7 @@ from trainer.config.schema import from_dict
 from trainer.fit.run import Run
 from trainer.model.config import GPTConfig, MoEConfig
 from trainer.model.gpt import GPT
+from trainer.optim.build import parts
 from trainer.parallel import strategy_class
 from trainer.parallel.context_parallel import SequenceSplit
 from trainer.parallel.tensor_parallel import canonical_state, parallelize, sum_whole_parameter_grads
@@ -27,6 +28,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _state_tensors(optimizers) -> list[torch.Tensor]:
+    return [t for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
 
 
 def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
@@ -44,14 +49,18 @@ def train_and_inspect(cfg_dict: dict, run_dir: str, steps: int) -> dict:
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in raw.named_parameters()}
         digest = hashlib.sha256(b"".join(full[n].numpy().tobytes() for n in sorted(full))).hexdigest()
         # ZeRO's optimizer state is its local AdamW's (`optim`): this rank's rows (zero) or whole
-        # parameters (zero_torch) only
-        local = getattr(run.optimizer, "optim", run.optimizer)
-        state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        # parameters (zero_torch) only. Muon by owner (OwnedMuon) apart: its owned matrices' momenta
+        # and the zeroed whole copies it steps them on.
+        found = parts(run.optimizer)
+        owned = [part for part in found if getattr(part, "saves_by_name", False)]
+        local = [getattr(part, "optim", part) for part in found if part not in owned]
+        work = [copy for part in owned if part.sharded for copy in part.work]
         return {
             "digest": digest,
             "param_bytes": _bytes(raw.parameters()),
             "grad_bytes": _bytes(p.grad for p in raw.parameters() if p.grad is not None),
-            "optimizer_bytes": _bytes(state),
+            "optimizer_bytes": _bytes(_state_tensors(local)),
+            "muon_bytes": _bytes(_state_tensors(owned)) + _bytes(work),
             "full_param_bytes": sum(t.numel() * t.element_size() for t in full.values()),
         }
     finally:

@@ -1,6 +1,7 @@
 """`dtrain plan`'s per-rank model state against the live shards of a real world-4 run: the
 parameters, gradients and optimizer state each rank of the plan's meta model under a fake process
-group holds (trainer/plan/shards.py) are, byte for byte and rank by rank, what the trained ranks hold."""
+group holds (trainer/plan/shards.py) are, byte for byte and rank by rank, what the trained ranks hold,
+and Muon's state is what its busiest owner rank keeps."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ WORLD = 4
 # llama_tiny has grouped KV heads, three MLP matrices and an untied head.
 LAYOUTS = [
     ("fsdp", "tiny", ["parallel=fsdp"]),
-    ("hsdp", "llama_tiny", ["parallel=hsdp", "parallel.dp_replicate=2"]),
-    ("fsdp_tp", "llama_tiny", ["parallel=fsdp", "parallel.tp=2"]),
-    # FSDP shards over dp_shard x cp flattened into one dimension, beside TP
+    # Muon by owner inside each replica's shard group of 2 (AdamW on the rest)
+    ("hsdp_muon", "llama_tiny", ["parallel=hsdp", "parallel.dp_replicate=2", "optim=muon"]),
+    # Muon's tp shards gathered whole to owners over all 4 ranks
+    ("fsdp_tp_muon", "llama_tiny", ["parallel=fsdp", "parallel.tp=2", "optim=muon"]),
+    # FSDP shards over dp_shard x cp flattened into one dimension, beside TP (AdamW on the tp shards)
     ("fsdp_cp_tp", "llama_tiny", ["parallel=fsdp", "parallel.cp=2", "parallel.tp=2"]),
     # the experts split by expert over ep 2 and sharded by rows over the other 2 dp_shard ranks
     ("fsdp_ep", "qwen3_moe_tiny", ["parallel=fsdp", "parallel.ep=2"]),
@@ -42,6 +45,8 @@ def test_the_plan_counts_the_live_shards(layout, model, overrides, data_dir, tmp
     assert list(plan.params) == [r["param_bytes"] for r in ranks]
     assert list(plan.grads) == [r["grad_bytes"] for r in ranks]
     assert list(plan.optim_tensors) == [r["optimizer_bytes"] for r in ranks]  # AdamW's two moments per shard
+    # Muon's owned momenta and their zeroed whole work copies, on the busiest owner (0: no Muon)
+    assert plan.muon == max(r["muon_bytes"] for r in ranks)
     # the table's figures are the busiest rank's
     est = estimate(cfg, cfg.parallel.mode, WORLD, cfg.train.micro_batch_size)
     assert est.params == max(r["param_bytes"] for r in ranks)

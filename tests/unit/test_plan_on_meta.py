@@ -1,5 +1,6 @@
 """The plan's shard counting in one process (trainer/plan/shards.py): a 70B model on the meta device
-under a fake world of 64 ranks, with no memory and no process group left behind; replicas; the tp split.
+under a fake world of 64 ranks, with no memory and no process group left behind; replicas; the tp split;
+Muon's state against the mode's own owner-rank optimizer, built on every rank of a fake world.
 The figures against a real run's live shards: tests/parallel/test_plan_shards.py."""
 
 from __future__ import annotations
@@ -7,15 +8,22 @@ from __future__ import annotations
 import resource
 
 import pytest
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from trainer.config.batch import mesh_shape
 from trainer.config.compose import compose
 from trainer.config.shape import parameter_count
+from trainer.model.config import GPTConfig
 from trainer.model.gpt import build_model
+from trainer.optim.build import build_optimizer, parts
+from trainer.parallel import STRATEGIES
 from trainer.plan.memory import estimate
-from trainer.plan.shards import shard_plan
+from trainer.plan.meta import meta_model
+from trainer.plan.shards import _MetaStaysMeta, shard_plan
+from trainer.process.runtime import Runtime
 
 MiB = 1024**2
 
@@ -88,3 +96,52 @@ def test_tensor_parallel_splits_the_heads_activations_not_the_residual_stream_or
     logits = m.vocab_size * 8192  # at least a byte per logit of the replicated head
     assert split >= block_inputs + logits
     assert whole / 8 < split < whole
+
+
+def owned_muon_bytes(cfg, mode: str, world: int) -> list[int]:
+    """What the mode's own Muon by owner (trainer/parallel/muon_owners.py OwnedMuon, as the run's
+    build_optimizer makes it) keeps on each rank: its owned matrices' momenta (its checkpoint
+    template, the state its first step makes) and the zeroed whole copies it steps them on. Built on
+    the meta model under a fake world playing each rank in turn."""
+    shape = mesh_shape(cfg, world)
+    kept = []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            runtime = Runtime(rank=rank, local_rank=rank, world=world, local_world=world,
+                              device=torch.device("cpu"), distributed=True, shape=shape)
+            strategy = STRATEGIES[mode](cfg.parallel, cfg.train, runtime)
+            with _MetaStaysMeta():
+                model = strategy.wrap(meta_model(GPTConfig.from_cfg(cfg.model)))
+            optimizer = build_optimizer(model, cfg.optim, strategy)
+            muon = next(part for part in parts(optimizer) if getattr(part, "saves_by_name", False))
+            momenta = [t for state in muon.state_template().values() for t in state.values()]
+            kept.append(4 * sum(t.numel() for t in [*momenta, *muon.work]))
+        finally:
+            dist.destroy_process_group()
+    return kept
+
+
+# Muon by owner rank under tensor parallelism and replicas: the owners are every tp rank (none), every
+# rank (fsdp x tp), or one replica's shard group (hsdp, hsdp x tp), never one rank stepping them all.
+MUON_LAYOUTS = {
+    "none_tp2": ("none", 2, ["parallel.tp=2"]),
+    # (at tp 2 half the matrices' momenta and work copies happen to be all the momenta: not at 4)
+    "none_tp4": ("none", 4, ["parallel.tp=4", "model.n_kv_head=4"]),
+    "fsdp2_tp2": ("fsdp", 4, ["parallel.tp=2"]),
+    "hsdp2x2": ("hsdp", 4, ["parallel.dp_replicate=2"]),
+    "hsdp2x2_tp2": ("hsdp", 8, ["parallel.dp_replicate=2", "parallel.tp=2"]),
+    "hsdp2x2_cp2": ("hsdp", 8, ["parallel.dp_replicate=2", "parallel.cp=2"]),  # cp folded into the shard group
+}
+
+
+@pytest.mark.parametrize("layout", MUON_LAYOUTS)
+def test_the_plans_muon_state_is_what_its_busiest_owner_keeps(layout):
+    mode, world, overrides = MUON_LAYOUTS[layout]
+    cfg, shards = plan("model=llama_tiny", "optim=muon", *overrides, mode=mode, world=world)
+    live = owned_muon_bytes(cfg, mode, world)
+    assert shards.muon == max(live)
+    assert 0 < min(live)  # every rank owns some: spread, not one rank stepping them all
+    # the table's optimizer row: the busiest rank's AdamW shards and its Muon state
+    est = estimate(cfg, mode, world, cfg.train.micro_batch_size)
+    assert est.optim == shards.optim[shards.busiest_rank] + max(live)

@@ -51,10 +51,12 @@ class Strategy:
         return [math.prod(shape) for group in groups for shape in group]
 
     @classmethod
-    def muon_numels(cls, shapes: list[torch.Size], world: int) -> tuple[int, int]:
+    def muon_numels(cls, shapes: list[torch.Size], shape: MeshShape) -> tuple[int, int]:
         """(elements of Muon state the busiest rank keeps, elements of buffers its step adds) for
-        optim=muon's hidden matrices of these shapes: here every rank steps every whole matrix."""
-        return sum(math.prod(shape) for shape in shapes), 0
+        optim=muon's hidden matrices of these shapes on the mesh `shape` (which ranks own which
+        matrices is the mode's: its whole world, or one replica's shard group): here every rank
+        steps every whole matrix."""
+        return sum(math.prod(matrix) for matrix in shapes), 0
 
     @classmethod
     def parameter_compute_dtype(cls, parallel_cfg, device_type: str) -> torch.dtype | None:
@@ -381,3 +383,20 @@ def compute_dtype(spec: str, device: torch.device) -> torch.dtype:
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec]
+
+
+def owned_muon_numels(shapes: list[torch.Size], owners: int, shape: MeshShape) -> tuple[int, int]:
+    """muon_numels of a mode whose ranks hold shards of the hidden matrices and step Muon by owner
+    (trainer/parallel/muon_owners.py OwnedMuon, `sharded`), over `owners` ranks that split the
+    matrices among themselves (the whole world, or one replica's shard group). Kept: the busiest
+    owner's whole momenta and zeroed work copies. At the step: its matrices' whole gradients, and
+    with FSDP's row shards alone the all_to_all buffers (its rows out, its matrices' rows in); with
+    tensor-parallel shards the all-gather of every owner's updates (its own sent, `owners` received)."""
+    # Deferred: muon_owners imports DTensor, which a plan without Muon's owners never needs.
+    from trainer.parallel.muon_owners import busiest_owner_numel
+
+    owned = busiest_owner_numel(shapes, owners)
+    if shape.tp > 1:
+        return 2 * owned, owned + (owners + 1) * owned
+    rows = sum(row_shard_numel(matrix, owners) for matrix in shapes)
+    return 2 * owned, owned + rows + owned

@@ -9,8 +9,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.errors import ConfigError
-from trainer.parallel.base import Strategy, row_shard_numel
-from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
+from trainer.parallel.base import Strategy, owned_muon_numels, row_shard_numel
+from trainer.parallel.muon_owners import OwnedMuon
 from trainer.parallel.owned_state import OwnedMatrixState
 
 
@@ -30,12 +30,13 @@ class FSDPStrategy(OwnedMatrixState, Strategy):
         return [row_shard_numel(shape, world) for group in groups for shape in group]
 
     @classmethod
-    def muon_numels(cls, shapes, world):
-        # The busiest owner's whole momenta and zeroed work copies; at the step its matrices'
-        # whole gradients, and the all_to_all buffers (its rows out, its matrices' rows in).
-        owned = busiest_owner_numel(shapes, world)
-        rows = sum(row_shard_numel(shape, world) for shape in shapes)
-        return 2 * owned, owned + rows + owned
+    def muon_numels(cls, shapes, shape):
+        return owned_muon_numels(shapes, cls.muon_owners(shape), shape)
+
+    @classmethod
+    def muon_owners(cls, shape) -> int:
+        """The ranks Muon's matrices are spread over (matrix_optimizer's OwnedMuon): every rank."""
+        return shape.world
 
     @classmethod
     def parameter_compute_dtype(cls, parallel_cfg, device_type):

@@ -16,6 +16,11 @@ class HSDPStrategy(FSDPStrategy):
     replicates_shards = True
     data_parallel_dims = ("dp_replicate", "dp_shard")
 
+    @classmethod
+    def muon_owners(cls, shape):
+        # one replica's shard group, as matrix_optimizer spreads them: dp_shard with the cp ranks folded in
+        return shape.dp_shard * shape.cp
+
     def matrix_optimizer(self, run):
         # A replica's ranks hold the row shards of its copy, and every replica's gradients are the same
         # after HSDP's all-reduce: each replica runs the owners' exchange inside its own shard group

@@ -1,13 +1,19 @@
 """parallel=none: one process, one device; or, with parallel.tp > 1, one model split over the
 tensor-parallel ranks (world = tp), Muon's matrices made whole on owner ranks."""
 
-from trainer.parallel.base import Strategy
+from trainer.parallel.base import Strategy, owned_muon_numels
 from trainer.parallel.owned_state import OwnedMatrixState
 
 
 class SingleStrategy(OwnedMatrixState, Strategy):
     name = "none"
     tensor_parallel = True
+
+    @classmethod
+    def muon_numels(cls, shapes, shape):
+        if shape.tp == 1:
+            return super().muon_numels(shapes, shape)
+        return owned_muon_numels(shapes, shape.world, shape)  # matrix_optimizer's owners: every tp rank
 
     def matrix_optimizer(self, run):
         if self.rt.shape.tp == 1:

@@ -144,7 +144,8 @@ class ZeroStrategy(DDPStrategy):
         return [row_shard_numel(shape, world) for group in groups for shape in group]
 
     @classmethod
-    def muon_numels(cls, shapes, world):
+    def muon_numels(cls, shapes, shape):
+        world = shape.world
         # The busiest owner's whole momenta; the all-gather's send buffer and its world-wide result.
         owned = busiest_owner_numel(shapes, world)
         return owned, (world + 1) * owned

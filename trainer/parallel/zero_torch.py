@@ -48,7 +48,8 @@ class ZeroTorchStrategy(DDPStrategy):
         return max(held, key=sum)
 
     @classmethod
-    def muon_numels(cls, shapes, world):
+    def muon_numels(cls, shapes, shape):
+        world = shape.world
         # Muon's own ZeroRedundancyOptimizer partitions the matrices as the elementwise one does its group.
         return sum(cls.optimizer_state_numels([shapes], world)), 0
 

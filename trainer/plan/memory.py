@@ -230,11 +230,11 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
     # The elementwise optimizer's state tensors (AdamW's exp_avg and exp_avg_sq, Lion's exp_avg) for
     # the tensors (or rows) the busiest rank keeps, and its scalars (AdamW's step counter) per
     # tensor; with optim=muon the hidden matrices instead keep Muon's one momentum buffer each
-    # (whole, on their owner rank in the sharded modes), plus the mode's step buffers.
+    # (whole, on their owner rank where the mode steps it by owner), plus the mode's step buffers.
     elementwise = elementwise_of(cfg.optim)
     muon_buffers = 0
     if shapes.muon:
-        _, muon_buffers = strategy.muon_numels(list(shapes.muon), world)
+        _, muon_buffers = strategy.muon_numels(list(shapes.muon), shape)
         # Newton-Schulz's float32 temporaries: the update, its transpose, two Gram products.
         largest_muon = max(math.prod(p) for p in shapes.muon)
         muon_buffers += 3 * largest_muon + 2 * max(min(p) ** 2 for p in shapes.muon)
@@ -267,7 +267,7 @@ def estimate(cfg, mode: str, world: int, micro_batch: int, device_type: str | No
         held = strategy.optimizer_state_numels([list(group) for group in shapes.adamw_groups], world)
         o_b = len(elementwise.state.tensors) * sum(held) * fp32 + 4 * len(elementwise.state.scalars) * len(held)
         if shapes.muon:
-            o_b += strategy.muon_numels(list(shapes.muon), world)[0] * fp32
+            o_b += strategy.muon_numels(list(shapes.muon), shape)[0] * fp32
     # The elementwise step's copies of one tensor at a time (AdamW's sqrt(v) and its scaled copy,
     # none in CUDA's fused AdamW; Lion's interpolation); or Muon's step (they run in turn)
     copies = elementwise.step_copies["cuda" if device_type == "cuda" else "cpu"]

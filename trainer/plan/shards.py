@@ -172,7 +172,7 @@ def _shard_plan(model_yaml: str, parallel_yaml: str, train_yaml: str, optim_yaml
                 optim_tensors[rank] += len(elementwise.state.tensors) * n * FP32
         muon = 0
         if matrices:
-            kept, _ = strategy_class.muon_numels([p.shape for _, p in matrices], world)
+            kept, _ = strategy_class.muon_numels([p.shape for _, p in matrices], shape)
             muon = kept * FP32
     per_rank = tuple(sum(p[r] for p in params) * FP32 for r in range(world))
     scalars = (4 * len(elementwise.state.scalars) * len(rest),) * world
