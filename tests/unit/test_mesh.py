@@ -35,6 +35,10 @@ def test_hsdp_replicates_one_group_per_node_by_default():
 @pytest.mark.parametrize("overrides,world,needle", [
     (["parallel=hsdp", "parallel.dp_replicate=3"], 4, "does not divide world=4"),
     (["parallel=fsdp", "parallel.tp=0"], 2, "parallel.tp=0 must be a whole number"),
+    # sequence parallelism splits each sequence (each cp rank's positions) over the tp ranks
+    (["parallel=none", "parallel.tp=4", "train.seq_len=66"], 4, "choose a train.seq_len divisible by 4"),
+    (["parallel=fsdp", "parallel.cp=2", "parallel.tp=3", "train.seq_len=40"], 6,
+     "splits the 20 positions each rank holds of a sequence into 3 equal parts"),
 ])
 def test_a_mesh_that_does_not_fill_the_world_is_refused(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):

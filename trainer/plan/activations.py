@@ -66,34 +66,41 @@ CUDA_CHUNK_PER_LOGIT = 16
 
 def activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: int, tp: int = 1) -> int:
     """What forward keeps for backward at backward's start: the blocks and the loss over the
-    vocabulary (the module doc says how, per device). Under tensor parallelism (`tp` > 1) each
-    rank keeps 1/tp of the per-head and per-hidden-unit tensors (q/k/v, attention's output, the
-    MLP's hidden ones) and all of the rest: no sequence parallelism, a replicated head."""
+    vocabulary (the module doc says how, per device). Under tensor parallelism (`tp` > 1, with its
+    sequence parallelism) each rank keeps 1/tp of the per-head and per-hidden-unit tensors (q/k/v,
+    attention's output, the MLP's hidden ones), 1/tp of the residual stream's (its positions: the
+    residuals, the norms, the checkpointed block inputs, the head's logits), and whole the two
+    gathered inputs of each block's column-wise matrices, which they keep for their gradients."""
     C, L, V = shape.n_embd, shape.n_layer, shape.padded_vocab_size
     # q and attention's output are n_head x head_dim wide (n_embd unless model.head_dim sets it)
     Q, kv = shape.q_width, shape.kv_heads * shape.head_dim
+    gathered = 2 * C if tp > 1 else 0  # c_attn's and c_fc's inputs, all-gathered over the positions
     if device_type == "cuda":
         residual = 4 if act == 2 else act  # autocast adds bf16 outputs to an fp32 residual stream
         if t.compile:
             # SwiGLU: gate and up, and inductor keeps their product (c_proj's input) rather than
             # recompute it (llama_135m on an H100: 2.4 H bytes a token per block more than gate + up)
             fc_out = shape.hidden * (3 if shape.mlp == "swiglu" else 1)
-            per_token = 2 * residual * C + act * (Q + 2 * kv + Q + fc_out) // tp
+            per_token = 2 * residual * C // tp + act * gathered + act * (Q + 2 * kv + Q + fc_out) // tp
         else:
             rope = Q + kv if shape.pos == "rope" else 0
-            per_token = 2 * residual * C + act * 2 * C + act * (Q + 2 * kv + 2 * Q + rope
-                                                                 + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
+            # the norms' bf16 outputs the matmuls keep are the gathered inputs under tp
+            norms = gathered if tp > 1 else 2 * C
+            split = Q + 2 * kv + 2 * Q + rope + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden
+            per_token = 2 * residual * C // tp + act * norms + act * split // tp
         head_per_logit = CUDA_HEAD_COMPILED if t.compile else CUDA_HEAD_EAGER
     else:
         residual = act
         qkv = Q + 2 * kv
-        per_token = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C + (qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
+        rest = (BLOCK_ACT_PER_C - 3 - 2 * 4) * C  # the fitted remainder: stream- or head-wide tensors
+        per_token = (rest - gathered) // tp + gathered + (qkv + MLP_ACT_PER_HIDDEN[shape.mlp] * shape.hidden) // tp
         per_token *= act
         head_per_logit = HEAD_ACT_PER_V * 4  # the loss is computed in fp32
     block = per_token * tokens
+    positions = tokens // tp  # of the residual stream and the head, per rank
     if t.activation_checkpointing:
         # each block keeps only its input; backward recomputes one block at a time
-        blocks = L * C * residual * tokens + block
+        blocks = L * C * residual * positions + block
     else:
         blocks = L * block
     chunks, kernel = t.get("loss_chunks", 1), t.get("loss_kernel", "auto")
@@ -104,7 +111,7 @@ def activation_bytes(shape: GPTConfig, t, device_type: str, act: int, tokens: in
         # one piece's logits at a time (fp32 scores, softmax, gradient), and the gradients the
         # forward made: the head input's (fp32 under autocast) and the weight's (fp32)
         per_logit = CUDA_CHUNK_PER_LOGIT if device_type == "cuda" else HEAD_ACT_PER_V * 4
-        head = per_logit * V * -(-tokens // chunks) + 4 * C * tokens + 4 * V * C
+        head = per_logit * V * -(-positions // chunks) + 4 * C * positions + 4 * V * C
     else:
-        head = head_per_logit * V * tokens
+        head = head_per_logit * V * positions
     return int(blocks + head)
