@@ -191,7 +191,7 @@ class OwnedMuon:
         # the mesh's ranks of each replica, in mesh order (row-major over the dimensions that split)
         order = [*replicated, *(d for d in range(mesh.ndim) if d not in replicated)]
         split = mesh.mesh.permute(order).reshape(-1, math.prod(mesh.shape[d] for d in order[len(replicated):]))
-        mine = mesh.get_coordinate()
+        mine = (mesh.mesh == dist.get_rank()).nonzero()[0].tolist()  # this rank's coordinates
         replica = split[sum(mine[d] * math.prod(mesh.shape[e] for e in replicated[k + 1:])
                             for k, d in enumerate(replicated))].tolist()
         group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
