@@ -191,9 +191,7 @@ class OwnedMuon:
         # the mesh's ranks of each replica, in mesh order (row-major over the dimensions that split)
         order = [*replicated, *(d for d in range(mesh.ndim) if d not in replicated)]
         split = mesh.mesh.permute(order).reshape(-1, math.prod(mesh.shape[d] for d in order[len(replicated):]))
-        mine = (mesh.mesh == dist.get_rank()).nonzero()[0].tolist()  # this rank's coordinates
-        replica = split[sum(mine[d] * math.prod(mesh.shape[e] for e in replicated[k + 1:])
-                            for k, d in enumerate(replicated))].tolist()
+        replica = next(row for row in split.tolist() if dist.get_rank() in row)
         group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
         if sorted(replica) != sorted(group_ranks):
             self.process_group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in split])
@@ -209,12 +207,14 @@ class OwnedMuon:
         for i, param in enumerate(self.params):
             blocks = []
             for s in range(self.world):
+                # (torch's public compute_local_shape_and_global_offset answers for this rank only)
                 shape, offset = _compute_local_shape_and_global_offset(self.shapes[i], mesh.shape, coordinates[s],
                                                                        param.placements)
                 blocks.append((slice(offset[0], offset[0] + shape[0]), slice(offset[1], offset[1] + shape[1])))
-            if param.to_local().shape != (blocks[self.rank][0].stop - blocks[self.rank][0].start,
-                                          blocks[self.rank][1].stop - blocks[self.rank][1].start):
-                raise ValueError(f"{self.names[i]}: its local shard is not the block its placements give")
+            mine_shape = (blocks[self.rank][0].stop - blocks[self.rank][0].start,
+                          blocks[self.rank][1].stop - blocks[self.rank][1].start)
+            if param.to_local().shape != mine_shape or not _tiles(blocks, self.shapes[i]):
+                raise ValueError(f"{self.names[i]}: its shards are not blocks of one grid over the matrix")
             self.pieces.append(blocks)
 
     def _canonical(self, i: int, whole: torch.Tensor) -> torch.Tensor:
@@ -353,3 +353,24 @@ def _tp_degree(param) -> int:
         return 1
     names = param.device_mesh.mesh_dim_names or ()
     return param.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def _tiles(blocks: list[tuple[slice, slice]], shape: tuple[int, int]) -> bool:
+    """Whether the distinct (rows, cols) blocks are a grid covering the matrix once: the column ranges
+    split its columns and, in each, the row ranges split its rows (a slice from a first offset and a
+    local shape would not, for a shard whose rows are not contiguous)."""
+    by_cols: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rows, cols in {((r.start, r.stop), (c.start, c.stop)) for r, c in blocks}:
+        by_cols.setdefault(cols, []).append(rows)
+    return _splits(list(by_cols), shape[1]) and all(_splits(rows, shape[0]) for rows in by_cols.values())
+
+
+def _splits(ranges: list[tuple[int, int]], length: int) -> bool:
+    """Whether the [start, stop) ranges, empty ones aside, cover [0, length) end to end."""
+    end = 0
+    for start, stop in sorted(r for r in ranges if r[1] > r[0]):
+        if start != end:
+            return False
+        end = stop
+    return end == length
+
