@@ -389,14 +389,12 @@ def owned_muon_numels(shapes: list[torch.Size], owners: int, shape: MeshShape) -
     """muon_numels of a mode whose ranks hold shards of the hidden matrices and step Muon by owner
     (trainer/parallel/muon_owners.py OwnedMuon, `sharded`), over `owners` ranks that split the
     matrices among themselves (the whole world, or one replica's shard group). Kept: the busiest
-    owner's whole momenta and zeroed work copies. At the step: its matrices' whole gradients, and
-    with FSDP's row shards alone the all_to_all buffers (its rows out, its matrices' rows in); with
-    tensor-parallel shards the all-gather of every owner's updates (its own sent, `owners` received)."""
+    owner's whole momenta and zeroed work copies. At the step: its matrices' whole gradients and the
+    all_to_all buffers (its share of every matrix out, its matrices' shares in): FSDP's rows, or
+    under tensor parallelism its block, about 1/owners of each matrix either way."""
     # Deferred: muon_owners imports DTensor, which a plan without Muon's owners never needs.
     from trainer.parallel.muon_owners import busiest_owner_numel
 
     owned = busiest_owner_numel(shapes, owners)
-    if shape.tp > 1:
-        return 2 * owned, owned + (owners + 1) * owned
     rows = sum(row_shard_numel(matrix, owners) for matrix in shapes)
     return 2 * owned, owned + rows + owned

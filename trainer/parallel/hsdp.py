@@ -18,8 +18,9 @@ class HSDPStrategy(FSDPStrategy):
 
     @classmethod
     def muon_owners(cls, shape):
-        # one replica's shard group, as matrix_optimizer spreads them: dp_shard with the cp ranks folded in
-        return shape.dp_shard * shape.cp
+        # one replica's shard group, as matrix_optimizer spreads them: dp_shard with the cp ranks folded in,
+        # and under tensor parallelism with the tp ranks too (OwnedMuon exchanges blocks among all of them)
+        return shape.dp_shard * shape.cp * shape.tp
 
     def matrix_optimizer(self, run):
         # A replica's ranks hold the row shards of its copy, and every replica's gradients are the same

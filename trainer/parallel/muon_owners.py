@@ -20,6 +20,11 @@ stacks (768 x 768 and 768 x 3072) would load one rank twice the other.
   second all_to_all) and applies the decoupled weight decay and the update to its shard. Per rank
   and step: about 2 x (W-1)/W^2 of the hidden matrices out and in, against FSDP's own (W-1)/W per
   all-gather, and no full parameter is ever gathered.
+- tp (parallel.tp > 1, under none, fsdp or hsdp: DTensor blocks over the tp and FSDP dimensions): the
+  same two all_to_alls with each rank's block of a matrix (the slice its placements give) in place of
+  its rows; the owner assembles the gradient in the tp ranks' grouped rows and orders them
+  [q | k | v] for Muon's parts, and regroups the update before cutting it into blocks. The owners are
+  the ranks that split the matrices in one replica (HSDP x TP: one replica's dp_shard x tp ranks).
 
 The orthogonalization is the one-process code in both; only which rank computes it changes, so the
 numbers are those of one process (tests/parallel/test_muon.py, within 1e-5). Checkpoints hold each matrix's
@@ -36,7 +41,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from trainer.optim.build import MatrixRun
 from trainer.parallel.base import load_indexed_state, row_range
@@ -82,8 +88,10 @@ class OwnedMuon:
         self.mine = [i for i, owner in enumerate(self.owners) if owner == rank]
         self.weight_decay = run.kwargs.get("weight_decay", 0.0)
         self.row_parts = [tuple(run.row_parts.get(param, ())) for param in self.params]
-        # Matrices split over a tp mesh dimension (and FSDP's rows with it): made whole by gathering
+        # Matrices split over a tp mesh dimension (and FSDP's rows with it): each rank's block of them
         self.tp = max(_tp_degree(param) for param in self.params) if self.params else 1
+        if sharded and self.tp > 1:
+            self._tensor_parallel_layout()
         overrides = {}
         if sharded:
             # Zeroed whole copies stepped with no decay leave the update itself (see the module doc).
@@ -168,6 +176,47 @@ class OwnedMuon:
         return out
 
     # --- tp (with or without fsdp): DTensors split over several mesh dimensions --------------------
+    def _tensor_parallel_layout(self) -> None:
+        """The ranks that split the matrices (the parameters' mesh, less the dimensions every matrix
+        is replicated over: HSDP's dp_replicate) and each one's piece of every matrix, as (rows, cols)
+        slices of the DTensor's global (grouped) rows. Where those ranks are not this OwnedMuon's
+        group (HSDP x TP: the group is one replica's dp_shard ranks, each tp rank in its own), the
+        owners spread over a group of them instead (built collectively, one per replica)."""
+        meshes = {(tuple(p.device_mesh.mesh.flatten().tolist()), tuple(p.device_mesh.shape)) for p in self.params}
+        if len(meshes) != 1:
+            raise ValueError("optim=muon under tensor parallelism needs every hidden matrix on one device mesh")
+        mesh = self.params[0].device_mesh
+        replicated = [d for d in range(mesh.ndim)
+                      if all(isinstance(p.placements[d], Replicate) for p in self.params)]
+        # the mesh's ranks of each replica, in mesh order (row-major over the dimensions that split)
+        order = [*replicated, *(d for d in range(mesh.ndim) if d not in replicated)]
+        split = mesh.mesh.permute(order).reshape(-1, math.prod(mesh.shape[d] for d in order[len(replicated):]))
+        replica = next(row for row in split.tolist() if dist.get_rank() in row)
+        group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        if sorted(replica) != sorted(group_ranks):
+            self.process_group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in split])
+            self.rank, self.world = dist.get_rank(self.process_group), len(replica)
+            self.owners = assign_owners([param.numel() for param in self.params], self.world)
+            self.mine = [i for i, owner in enumerate(self.owners) if owner == self.rank]
+        coordinates = {}
+        for global_rank in replica:
+            at = (mesh.mesh == global_rank).nonzero()[0].tolist()
+            coordinates[dist.get_group_rank(self.process_group or dist.group.WORLD, global_rank)] = at
+        # self.pieces[i][s]: group rank s's (rows, cols) of matrix i, in the DTensor's grouped rows
+        self.pieces = []
+        for i, param in enumerate(self.params):
+            blocks = []
+            for s in range(self.world):
+                # (torch's public compute_local_shape_and_global_offset answers for this rank only)
+                shape, offset = _compute_local_shape_and_global_offset(self.shapes[i], mesh.shape, coordinates[s],
+                                                                       param.placements)
+                blocks.append((slice(offset[0], offset[0] + shape[0]), slice(offset[1], offset[1] + shape[1])))
+            mine_shape = (blocks[self.rank][0].stop - blocks[self.rank][0].start,
+                          blocks[self.rank][1].stop - blocks[self.rank][1].start)
+            if param.to_local().shape != mine_shape or not _tiles(blocks, self.shapes[i]):
+                raise ValueError(f"{self.names[i]}: its shards are not blocks of one grid over the matrix")
+            self.pieces.append(blocks)
+
     def _canonical(self, i: int, whole: torch.Tensor) -> torch.Tensor:
         """A tensor-parallel matrix's rows in the model's own order ([q | k | v]), as Muon's parts read them."""
         return ungroup_rows(whole, self.row_parts[i], self.tp) if len(self.row_parts[i]) > 1 else whole
@@ -175,29 +224,53 @@ class OwnedMuon:
     def _grouped(self, i: int, whole: torch.Tensor) -> torch.Tensor:
         return group_rows(whole, self.row_parts[i], self.tp) if len(self.row_parts[i]) > 1 else whole
 
+    def _piece_numel(self, i: int, s: int) -> int:
+        rows, cols = self.pieces[i][s]
+        return (rows.stop - rows.start) * (cols.stop - cols.start)
+
     def _step_gathered(self, found_inf: torch.Tensor | None) -> None:
-        """Each gradient gathered whole (one all-gather over its mesh), rows ungrouped to the canonical
-        order; the owner's Muon step on a zeroed copy leaves the update (as in _step_sharded); the
-        owners' updates reach every rank in one all-gather, and each rank adds its own piece (the
-        update regrouped and cut by the parameter's placements) after the decoupled decay."""
-        for i, param in enumerate(self.params):
-            whole = self._canonical(i, param.grad.full_tensor())  # every rank joins every gather
-            if self.owners[i] == self.rank:
-                work = self.work[self.mine.index(i)]
-                work.zero_()
-                work.grad = whole
+        """_step_sharded's exchange for blocks: each rank's block of every gradient (its DTensor
+        shard, the slice its placements give) goes to the matrix's owner in one all_to_all; the owner
+        assembles the whole gradient in the grouped rows, ungroups them to the canonical order and
+        steps Muon on a zeroed copy (leaving the update); the update, regrouped, goes back block by
+        block in a second all_to_all, and each rank applies the decoupled decay and adds its block."""
+        W = self.world
+        # 1. each rank's block of every gradient to the matrix's owner
+        grads = {d: [] for d in range(W)}
+        for i, owner in enumerate(self.owners):
+            grad = self.params[i].grad
+            if grad.placements != self.params[i].placements:
+                grad = grad.redistribute(placements=self.params[i].placements)
+            grads[owner].append(grad.to_local())
+        incoming = [[(i, self._piece_numel(i, s)) for i in self.mine] for s in range(W)]
+        received = iter(self._exchange(grads, incoming))
+        whole = {i: torch.empty(self.shapes[i], dtype=self._local(i).dtype, device=self._local(i).device)
+                 for i in self.mine}
+        for s in range(W):
+            for i in self.mine:
+                rows, cols = self.pieces[i][s]
+                whole[i][rows, cols] = next(received).view(rows.stop - rows.start, cols.stop - cols.start)
+        del received
+        # 2. the owner's Muon step on zeroed copies, the gradients in canonical rows: the copies become the updates
+        for work, i in zip(self.work, self.mine):
+            work.zero_()
+            work.grad = self._canonical(i, whole.pop(i))
         if self.inner:
             self.inner.step(found_inf=found_inf)
-        updates = self._owned_everywhere({i: work.detach() for work, i in zip(self.work, self.mine)})
+        # 3. each rank's block of the regrouped updates back, then decay and update on the shards
+        grouped = {i: self._grouped(i, work.detach()) for work, i in zip(self.work, self.mine)}
+        updates = {d: [grouped[i][self.pieces[i][d]] for i in self.mine] for d in range(W)}
+        incoming = [[(i, self._piece_numel(i, self.rank)) for i, o in enumerate(self.owners) if o == s]
+                    for s in range(W)]
+        received = self._exchange(updates, incoming)
+        del grouped, updates
+        order = [i for s in range(W) for i, o in enumerate(self.owners) if o == s]
         decay = self.group["lr"] * self.weight_decay
         decay = 1 - decay if found_inf is None else 1 - (1 - found_inf) * decay
-        for i, param in enumerate(self.params):
-            # src_data_rank=None: each rank cuts its own piece of the tensor it holds, no scatter
-            piece = distribute_tensor(self._grouped(i, updates[i]), param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            local = param.to_local()
+        for i, update in zip(order, received):
+            local = self._local(i)
             local.mul_(decay)
-            local.add_(piece)
+            local.add_(update.view_as(local))
 
     # --- fsdp: row shards ----------------------------------------------------------------------
     def _exchange(self, pieces: dict[int, list[torch.Tensor]],
@@ -280,3 +353,24 @@ def _tp_degree(param) -> int:
         return 1
     names = param.device_mesh.mesh_dim_names or ()
     return param.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def _tiles(blocks: list[tuple[slice, slice]], shape: tuple[int, int]) -> bool:
+    """Whether the distinct (rows, cols) blocks are a grid covering the matrix once: the column ranges
+    split its columns and, in each, the row ranges split its rows (a slice from a first offset and a
+    local shape would not, for a shard whose rows are not contiguous)."""
+    by_cols: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rows, cols in {((r.start, r.stop), (c.start, c.stop)) for r, c in blocks}:
+        by_cols.setdefault(cols, []).append(rows)
+    return _splits(list(by_cols), shape[1]) and all(_splits(rows, shape[0]) for rows in by_cols.values())
+
+
+def _splits(ranges: list[tuple[int, int]], length: int) -> bool:
+    """Whether the [start, stop) ranges, empty ones aside, cover [0, length) end to end."""
+    end = 0
+    for start, stop in sorted(r for r in ranges if r[1] > r[0]):
+        if start != end:
+            return False
+        end = stop
+    return end == length
+
