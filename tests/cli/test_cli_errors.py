@@ -140,6 +140,7 @@ def test_a_user_error_arrives_before_torch_is_imported(problem, data_dir, tmp_pa
     (["train.compile_mode=reduce-overhead"], "needs train.compile=true"),
     (["train.loss_chunks=0"], "train.loss_chunks=0 must be at least 1"),
     (["train.seq_len=16", "train.loss_chunks=17"], "exceeds train.seq_len=16"),
+    (["launch.start_method=fork"], "launch.start_method='fork' is unknown; choose one of forkserver, spawn"),
 ])
 def test_bad_values_are_one_line(args, needle, data_dir, tmp_path):
     proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", *args))

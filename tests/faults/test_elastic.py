@@ -5,29 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 from helpers.checkpoints import loss_records, same_weights
 from helpers.dtrain import tiny_args
-from helpers.processes import past_a_checkpoint, start_dtrain, wait_for
+from helpers.processes import past_a_checkpoint, start_dtrain, wait_for, worker_pids
 from helpers.runs import CKPT_ARGS, STEPS, checkpointed
-
-
-def worker_pids(driver_pid: int) -> list[int]:
-    """The driver's worker processes (torch's spawn children; not its resource tracker)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == driver_pid and "spawn_main" in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
 
 
 def test_killed_worker_is_restarted_and_the_run_matches(data_dir, references, tmp_path):

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.tensor import DTensor
 
 from trainer.config.batch import mesh_shape, requested_world
 from trainer.config.schema import from_dict
 from trainer.fit.run import Run
+from trainer.launch.forkserver import forkserver_for
 from trainer.model.config import GPTConfig, MoEConfig
 from trainer.model.gpt import GPT
 from trainer.optim.build import parts
@@ -20,6 +24,16 @@ from trainer.parallel import strategy_class
 from trainer.parallel.context_parallel import SequenceSplit
 from trainer.parallel.tensor_parallel import canonical_state, parallelize, sum_whole_parameter_grads
 from trainer.process.runtime import init_runtime
+
+
+def every_rank(worker, world: int, *args) -> dict:
+    """worker(*args) on `world` workers through torchrun's engine, forked from a forkserver as dtrain's
+    driver starts them (trainer/launch/forkserver.py); rank -> its result."""
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", run_id=f"test-{uuid.uuid4().hex[:8]}", max_restarts=0,
+                          start_method="forkserver")
+    with forkserver_for(worker):
+        return elastic_launch(launch, worker)(*args)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -157,3 +171,13 @@ def sequence_parallel_differences(blocks: dict, activation_checkpointing: bool, 
                 "logits": (logits - want_logits).abs().max().item(), "positions": seen}
     finally:
         dist.destroy_process_group()
+
+
+PROBE_ENV = "DTRAIN_TEST_LAUNCH_PROBE"
+
+
+def launch_probe() -> dict:
+    """What a worker of run_workers saw: the launch's probe variable, its parent process, its rank and
+    where its stdout goes."""
+    return {"probe": os.environ.get(PROBE_ENV), "parent": os.getppid(), "rank": int(os.environ["RANK"]),
+            "stdout": os.readlink("/proc/self/fd/1")}

@@ -113,14 +113,18 @@ def children(pid: int) -> list[int]:
 
 
 def worker_pids(driver: int) -> list[int]:
+    """The driver's workers: its spawned children, or its forkserver's children (the launch's
+    forkserver is the driver's child; its workers carry its cmdline)."""
     pids = []
     for child in children(driver):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+        if "spawn_main" in cmdline:
             pids.append(child)
+        elif "multiprocessing.forkserver" in cmdline:
+            pids.extend(children(child))
     return pids
 
 

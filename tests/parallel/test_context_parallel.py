@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.checkpoints import assert_continues_bitwise, assert_continues_within
-from helpers.dist_workers import sequence_split_differences
+from helpers.dist_workers import every_rank, sequence_split_differences
 from helpers.dtrain import read_metrics, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import (
@@ -28,7 +28,6 @@ from helpers.runs import (
     REFERENCE_STEPS,
     assert_matches_one_process,
 )
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.parallel.context_parallel import SequenceSplit
 
@@ -80,10 +79,7 @@ def test_the_split_gives_every_rank_an_early_and_a_late_chunk_of_equal_work(size
 ], ids=["gpt2", "llama_checkpointed_chunked"])
 def test_split_sequences_compute_the_whole_sequences_loss_and_gradients(blocks, activation_checkpointing,
                                                                         loss_chunks, tmp_path):
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"cp-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
-    ranks = elastic_launch(launch, sequence_split_differences)(blocks, activation_checkpointing, loss_chunks)
+    ranks = every_rank(sequence_split_differences, 2, blocks, activation_checkpointing, loss_chunks)
     # fp64 throughout but the cross-entropy, which the model computes in fp32 (and the chunked
     # loss's pieces of logits): the loss agrees to fp32's rounding, the gradients to fp64's unchunked
     grads = 1e-12 if loss_chunks == 1 else 1e-6

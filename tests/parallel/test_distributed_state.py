@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.dist_workers import train_and_inspect
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from helpers.dist_workers import every_rank, train_and_inspect
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
@@ -19,10 +18,7 @@ from trainer.parallel import strategy_class
 def launch(data_dir, tmp_path, world, *overrides, steps=3):
     cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
                    "train.micro_batch_size=2", f"world={world}", *overrides])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"test-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
-    results = elastic_launch(config, train_and_inspect)(to_dict(cfg), str(tmp_path), steps)
+    results = every_rank(train_and_inspect, world, to_dict(cfg), str(tmp_path), steps)
     return [results[r] for r in range(world)]
 
 

@@ -15,11 +15,10 @@ import re
 import pytest
 import torch
 from helpers.checkpoints import assert_continues_bitwise, one_process_optimizer
-from helpers.dist_workers import train_and_inspect
+from helpers.dist_workers import every_rank, train_and_inspect
 from helpers.dtrain import REPO, run_dtrain, tiny_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process, on_reference_steps
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scripts.benchmarks.memory import optimizer_state_tensors, tensor_bytes
 from trainer.config.compose import compose
@@ -130,10 +129,7 @@ def test_zero_rank_holds_the_planned_lion_state(data_dir, tmp_path):
     exactly what the plan says, and the replicas stay identical."""
     cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
                    "train.micro_batch_size=2", "world=2", "parallel=zero", "optim=lion"])
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"test-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
-    results = elastic_launch(config, train_and_inspect)(to_dict(cfg), str(tmp_path), 3)
+    results = every_rank(train_and_inspect, 2, to_dict(cfg), str(tmp_path), 3)
     ranks = [results[r] for r in range(2)]
     per_rank = [r["optimizer_bytes"] for r in ranks]
     assert sum(per_rank) == ranks[0]["full_param_bytes"]  # one exp_avg per element, on one rank

@@ -6,8 +6,7 @@ and Muon's state is what its busiest owner rank keeps."""
 from __future__ import annotations
 
 import pytest
-from helpers.dist_workers import train_and_inspect
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from helpers.dist_workers import every_rank, train_and_inspect
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
@@ -35,10 +34,7 @@ LAYOUTS = [
 def test_the_plan_counts_the_live_shards(layout, model, overrides, data_dir, tmp_path):
     cfg = compose([f"model={model}", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
                    "train.micro_batch_size=2", f"world={WORLD}", *overrides])
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=WORLD, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"test-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
-    results = elastic_launch(launch, train_and_inspect)(to_dict(cfg), str(tmp_path), 1)
+    results = every_rank(train_and_inspect, WORLD, to_dict(cfg), str(tmp_path), 1)
     ranks = [results[r] for r in range(WORLD)]
 
     plan = shard_plan(cfg, cfg.parallel.mode, WORLD)

@@ -8,8 +8,7 @@ chunked loss, and a mixture of experts' layers (routed whole, their aux loss the
 from __future__ import annotations
 
 import pytest
-from helpers.dist_workers import sequence_parallel_differences
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from helpers.dist_workers import every_rank, sequence_parallel_differences
 
 GPT2_BLOCKS = dict(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_embd=32)
 LLAMA_BLOCKS = dict(GPT2_BLOCKS, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False,
@@ -26,10 +25,7 @@ MOE_BLOCKS = dict(LLAMA_BLOCKS, mlp_multiple_of=32, moe={"num_experts": 4, "top_
 ], ids=["gpt2", "llama_checkpointed_chunked", "moe"])
 def test_split_positions_compute_the_whole_models_loss_and_gradients(blocks, activation_checkpointing,
                                                                      loss_chunks, grads, tmp_path):
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"sp-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
-    ranks = elastic_launch(launch, sequence_parallel_differences)(blocks, activation_checkpointing, loss_chunks)
+    ranks = every_rank(sequence_parallel_differences, 2, blocks, activation_checkpointing, loss_chunks)
     seq = blocks["block_size"]
     for rank, worst in ranks.items():
         # the forwards with targets (training, per-token) ran on half the positions; without, whole

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.checkpoints import ONE_CPU_PROCESS
-from helpers.dist_workers import val_figures_on_weights
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from helpers.dist_workers import every_rank, val_figures_on_weights
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
@@ -46,11 +45,8 @@ def test_val_loss_is_the_same_at_any_micro_batch_and_world(data_dir, trained_wei
         run = Run(config(data_dir, f"train.micro_batch_size={micro}"), ONE_CPU_PROCESS, tmp_path)
         run.strategy.unwrap(run.model).load_state_dict(torch.load(trained_weights))
         figures[f"world 1, micro {micro}"] = run.val_figures()
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", run_id=f"test-{tmp_path.name}", max_restarts=0,
-                          start_method="spawn")
     ddp = [to_dict(config(data_dir, f"train.micro_batch_size={micro}", "parallel=ddp", "world=2")) for micro in (4, 8)]
-    ranks = elastic_launch(launch, val_figures_on_weights)(ddp, str(tmp_path), trained_weights)
+    ranks = every_rank(val_figures_on_weights, 2, ddp, str(tmp_path), trained_weights)
     assert ranks[0] == ranks[1]  # every rank reports the all-reduced figures
     figures.update({f"world 2 (ddp), micro {micro}": f for micro, f in zip((4, 8), ranks[0])})
     want = figures["world 1, micro 4"]

@@ -30,6 +30,7 @@ PARALLEL_MODES = tuple(sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.ya
 OPTIMIZERS = tuple(sorted(p.stem for p in (CONF_DIR / "optim").glob("*.yaml")))
 DTYPES = ("auto", "float32", "bfloat16")
 ON_NONFINITE = ("stop", "skip", "rollback")
+START_METHODS = ("forkserver", "spawn")
 # torch.compile's modes (train.compile_mode): "reduce-overhead" replays the step's kernels as CUDA
 # graphs (one launch instead of hundreds); the max-autotune modes also search kernel configurations.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -256,6 +257,9 @@ class LaunchConfig:
     # (below timeout_s); 0 = off.
     hang_timeout_s: Optional[float] = None
     threads_per_worker: Optional[int] = None  # CPU: null = cores / local workers
+    # How this node's workers start (trainer/launch/forkserver.py): forked from one process that
+    # imported torch once, or spawn (each a fresh interpreter: about 4 CPU-seconds more per worker).
+    start_method: str = "forkserver"
 
 
 @dataclass

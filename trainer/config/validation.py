@@ -30,6 +30,7 @@ from trainer.config.schema import (
     OPTIMIZERS,
     PARALLEL_MODES,
     SCHEDULES,
+    START_METHODS,
     Config,
 )
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE, TOKENIZERS, tokenizer_vocab_size
@@ -236,6 +237,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
     if not DEVICE_SPEC.fullmatch(str(t.device)):
         raise ConfigError(f"train.device={t.device!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if cfg.launch.start_method not in START_METHODS:
+        raise ConfigError(f"launch.start_method={cfg.launch.start_method!r} is unknown; "
+                          f"choose one of {', '.join(START_METHODS)}")
     if t.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is unknown; choose one of {', '.join(ON_NONFINITE)}")
     if t.target_val_loss is not None and t.target_val_bpb is not None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
 
+from trainer.launch.forkserver import FORKSERVER_CMDLINE
 from trainer.process.signals import (
     RELAY_ENV,
     RELAY_PERIOD_S,
@@ -29,19 +31,28 @@ ELASTIC_SIGNALS = "SIGHUP,SIGQUIT"
 WAIT_POLL_S = 0.2  # how often the driver's signal thread looks whether the launch ended
 
 
-def spawned_workers(parent: int) -> list[int]:
-    """The pids of `parent`'s multiprocessing-spawned children (torchrun's engine's workers)."""
-    pids = []
+def launched_workers(parent: int) -> list[int]:
+    """The pids of the workers torchrun's engine started for `parent`: its spawned children, or the
+    children of its forkserver (trainer/launch/forkserver.py)."""
+    workers, forkservers = [], []
+    for pid, ppid, cmdline in _processes():
+        if ppid == parent and b"spawn_main" in cmdline:
+            workers.append(pid)
+        elif ppid == parent and FORKSERVER_CMDLINE in cmdline:
+            forkservers.append(pid)
+    return workers + [pid for pid, ppid, _ in _processes() if ppid in forkservers]
+
+
+def _processes() -> Iterator[tuple[int, int, bytes]]:
+    """(pid, parent pid, cmdline) of every process (read from /proc)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
+            yield int(entry.name), ppid, (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-    return pids
 
 
 class DriverSignals:
@@ -111,7 +122,7 @@ class DriverSignals:
             say_now(announcement(signum))
             threading.Thread(target=self._relay, name="dtrain-signal-relay", daemon=True).start()
             return
-        for pid in spawned_workers(os.getpid()):
+        for pid in launched_workers(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -123,7 +134,7 @@ class DriverSignals:
     def _relay(self) -> None:
         # Until the workers are done: one that was still starting (or a restarted one) gets it too.
         while not self.done.is_set():
-            for pid in spawned_workers(os.getpid()):
+            for pid in launched_workers(os.getpid()):
                 try:
                     os.kill(pid, relay_of(self.signum))
                 except ProcessLookupError:

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainer.errors import NonFiniteError, Stopped, UserError, WorkerFailed
+from trainer.launch import forkserver
 from trainer.launch.relay import ELASTIC_SIGNALS, DriverSignals
 from trainer.launch.rendezvous import rendezvous_plan
 from trainer.launch.worker_errors import (
@@ -42,8 +43,10 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     One worker on one node, or a process that torchrun already started, runs it in this process;
     otherwise torchrun's engine starts world / nnodes workers on this node. `entrypoint` must be a
     module-level function (picklable); `launch` is the config's launch section; the workers other
-    than local rank 0 log to files under `log_dir`. `fresh_processes` starts even one worker as a
-    new process (benchmarks measure a process that did nothing else). `stop_signals` (training):
+    than local rank 0 log to files under `log_dir`. The workers fork from one process that imported
+    torch once (trainer/launch/forkserver.py) unless `launch.start_method` is spawn.
+    `fresh_processes` starts even one worker as a new process, and every worker a fresh interpreter
+    (benchmarks measure a process that did nothing else). `stop_signals` (training):
     SIGTERM, SIGINT and SIGUSR1 reach the workers, which save and stop; this process then raises
     Stopped (exit code 128+N) once they are done (trainer.process.signals).
     """
@@ -59,6 +62,7 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     if nnodes == 1 and rdzv_id == "dtrain":
         rdzv_id = f"dtrain-{uuid.uuid4().hex[:8]}"  # distinct jobs on one host never share a rendezvous
     backend, local_addr, worker_env = rendezvous_plan(launch)
+    forked = launch["start_method"] == "forkserver" and forkserver.available() and not fresh_processes
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -69,7 +73,7 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
         rdzv_configs=_rdzv_configs(launch),
         max_restarts=launch["max_restarts"],
         monitor_interval=launch["monitor_interval"],
-        start_method="spawn",
+        start_method="forkserver" if forked else "spawn",
         logs_specs=logs,
         local_addr=local_addr,
         # torch's agent would raise SignalException on SIGTERM/SIGINT and tear the workers down
@@ -77,7 +81,8 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     )
     _quiet_user_errors()
     try:
-        with _environment({**worker_env, **worker_environment()}), DriverSignals() if stop_signals else nullcontext():
+        with _environment({**worker_env, **worker_environment()}), DriverSignals() if stop_signals else nullcontext(), \
+                forkserver.forkserver_for(entrypoint) if forked else nullcontext():
             results = elastic_launch(config, worker_process)(entrypoint, *args)
     except ChildFailedError as err:
         # torchelastic's folder of this launch's worker logs (set once the agent has started them)
@@ -111,6 +116,7 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     # Python chose stdout's buffering from what the driver's stdout was; the launcher may have
     # pointed it at a log file since: each line goes out as it is printed, not once a block fills.
     sys.stdout.reconfigure(line_buffering=True)
+    forkserver.release()  # a spawned worker holds nothing to release
     survive_closed_readers()  # local rank 0 writes to the driver's stdout and stderr: `| head` may close them
     try:
         raise_injected_error()  # a testing hook (trainer.launch.worker_errors)
