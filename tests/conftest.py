@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def shared_run(data_dir, tmp_path_factory):
 
     def get(*args: str) -> tuple[Path, str]:
         if args not in _SHARED_RUNS:
-            run_dir = root / f"run_{len(_SHARED_RUNS)}"
+            # a folder of its own even after a failed make (no entry): the next args never land in it
+            run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=root))
             _SHARED_RUNS[args] = run_dir, run_dtrain(tiny_args(data_dir, run_dir, *args), check=True).stdout
         return _SHARED_RUNS[args]
 

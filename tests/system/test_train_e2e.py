@@ -69,13 +69,16 @@ atexit.register(_report)
 def test_the_command_and_its_workers_leave_without_a_final_collection(data_dir, tmp_path):
     """The console script and each worker freeze their objects before they exit (trainer.cli.run,
     trainer.launch.workers.worker_process), which spares them the interpreter's last collections over all
-    of torch (~0.3 s a process); counted at exit by a sitecustomize in every process."""
+    of torch (~0.3 s a process); counted at exit by a sitecustomize in every process. Spawned workers:
+    forked ones (the default, trainer/launch/forkserver.py) leave through os._exit, with no interpreter
+    shutdown at all."""
     hook, exits = tmp_path / "hook", tmp_path / "exits.txt"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(EXIT_HOOK)
     env = {**dtrain_env(), "PYTHONPATH": f"{hook}:{REPO}", "DTRAIN_TEST_EXITS": str(exits)}
     script = Path(sys.executable).parent / "dtrain"
-    args = tiny_args(data_dir, tmp_path / "run", "train.max_steps=2", "parallel=ddp", "world=2")
+    args = tiny_args(data_dir, tmp_path / "run", "train.max_steps=2", "parallel=ddp", "world=2",
+                     "launch.start_method=spawn")
     proc = subprocess.run([str(script), *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # pid, parent pid, objects frozen, argv (spawned workers carry the driver's argv)
