@@ -1,9 +1,8 @@
 """Workers forked from one process that imported torch once (multiprocessing's forkserver), not each
 a fresh interpreter that imports torch, torch._dynamo and dtrain again (spawn).
 
-Measured on this machine's CPU (2026-11-28, 2 cores, a tiny model, one step): a world-2 launch took
-12-14 CPU-seconds with spawn and 8-9 with the forkserver; world 4, 20-24 and 13. Every worker used
-to pay about 4 CPU-seconds of imports before its first step.
+Every spawned worker paid about 4 CPU-seconds of imports before its first step; docs/performance.md
+("How workers start", scripts/bench_launch.py) has the launches' CPU and wall time both ways.
 
 The forkserver is started by the launch, from the thread that starts the workers, and stopped after
 it. So it, and every worker it forks, carries this launch's environment (the workers' variables,

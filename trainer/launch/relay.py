@@ -34,13 +34,11 @@ WAIT_POLL_S = 0.2  # how often the driver's signal thread looks whether the laun
 def launched_workers(parent: int) -> list[int]:
     """The pids of the workers torchrun's engine started for `parent`: its spawned children, or the
     children of its forkserver (trainer/launch/forkserver.py)."""
-    workers, forkservers = [], []
-    for pid, ppid, cmdline in _processes():
-        if ppid == parent and b"spawn_main" in cmdline:
-            workers.append(pid)
-        elif ppid == parent and FORKSERVER_CMDLINE in cmdline:
-            forkservers.append(pid)
-    return workers + [pid for pid, ppid, _ in _processes() if ppid in forkservers]
+    processes = list(_processes())
+    children = [(pid, cmdline) for pid, ppid, cmdline in processes if ppid == parent]
+    forkservers = {pid for pid, cmdline in children if FORKSERVER_CMDLINE in cmdline}
+    return [pid for pid, cmdline in children if b"spawn_main" in cmdline] + \
+        [pid for pid, ppid, _ in processes if ppid in forkservers]
 
 
 def _processes() -> Iterator[tuple[int, int, bytes]]:
