@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,31 @@ from trainer.config.schema import to_dict
 from trainer.fit.run import Run
 from trainer.preflight.rundir import write_config_record
 from trainer.process.runtime import Runtime
+
+
+class ModuleFolders:
+    """`tmp_path_factory.mktemp` for one module's shared runs: folders under one root per module."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def mktemp(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir()  # two fixtures of a module asking for one name is a test bug: fail loudly
+        return path
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """Folders for a module's shared runs, removed when its last test is done unless one of its tests
+    failed (kept as evidence). A tiny run with the GPT-2 vocabulary saves about 77 MB a checkpoint:
+    a suite that kept every module's runs, and every passed test's folder (pyproject's
+    tmp_path_retention_policy removes those), to the end wrote 24 GB and filled a CI machine's disk."""
+    root = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    failed_before = request.session.testsfailed
+    yield ModuleFolders(root)
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -71,18 +97,18 @@ def references(data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_tmp):
     """A tiny GPT (vocabulary padded to 50304) trained three AdamW steps in this process and
     checkpointed with the real Checkpointer; returns (run dir, the live trained model)."""
-    run_dir = tmp_path_factory.mktemp("export") / "run"
+    run_dir = module_tmp.mktemp("export") / "run"
     _, model = checkpointed_tiny_run(run_dir, ["model.pad_vocab_multiple=64"], steps=3, tokens_per_step=32)
     return run_dir, model.eval()
 
 
 @pytest.fixture(scope="module")
-def hf_folder(trained, tmp_path_factory) -> Path:
+def hf_folder(trained, module_tmp) -> Path:
     """`trained`'s run exported as a Hugging Face folder (test_export, test_export_pipeline)."""
-    out = tmp_path_factory.mktemp("hf") / "export"
+    out = module_tmp.mktemp("hf") / "export"
     cmd_export([str(trained[0]), "--out", str(out)])
     return out
 

@@ -73,17 +73,17 @@ def test_the_mapping_gives_transformers_logits(overrides, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llama_run(data_dir, tmp_path_factory) -> Path:
+def llama_run(data_dir, module_tmp) -> Path:
     """llama_tiny trained 12 steps (vocabulary padded to 50304), its val loss recorded at the end."""
-    run_dir = tmp_path_factory.mktemp("llama") / "run"
+    run_dir = module_tmp.mktemp("llama") / "run"
     run_dtrain(llama_args(data_dir, run_dir, "train.max_steps=12", "model.pad_vocab_multiple=64",
                           "train.val_tokens=1024", "optim.lr=3e-3"), check=True)
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def exported(llama_run, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "hf"
+def exported(llama_run, module_tmp) -> Path:
+    out = module_tmp.mktemp("export") / "hf"
     proc = run_dtrain(["export", str(llama_run), "--out", str(out)], check=True)
     assert "a Hugging Face model folder" in proc.stdout
     return out

@@ -26,8 +26,8 @@ from trainer.weights.init_source import check_init_source
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory) -> Path:
-    return make_hf_folder(tmp_path_factory.mktemp("hf") / "gpt2")
+def hf_folder(module_tmp) -> Path:
+    return make_hf_folder(module_tmp.mktemp("hf") / "gpt2")
 
 
 @pytest.mark.parametrize("pad", [1, 64])
@@ -93,9 +93,9 @@ def test_fsdp_world2_starts_from_the_hf_weights(hf_folder, data_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def source_run(data_dir, tmp_path_factory) -> Path:
+def source_run(data_dir, module_tmp) -> Path:
     """A tiny run (vocabulary padded to 50304) trained 20 steps: the source of the dtrain cases."""
-    run_dir = tmp_path_factory.mktemp("source") / "run"
+    run_dir = module_tmp.mktemp("source") / "run"
     run_dtrain(tiny_args(data_dir, run_dir, "model.pad_vocab_multiple=64", "train.val_tokens=1024"), check=True)
     return run_dir
 

@@ -31,9 +31,9 @@ def moe_run(data_dir, run_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def moe(data_dir, tmp_path_factory):
+def moe(data_dir, module_tmp):
     """One 4-step qwen3_moe_tiny run, logged at steps 1, 2 and 4 (2 accumulated micro-steps a step)."""
-    run_dir = tmp_path_factory.mktemp("moe") / "run"
+    run_dir = module_tmp.mktemp("moe") / "run"
     proc, records = moe_run(data_dir, run_dir, "train.grad_accum_steps=2")
     return run_dir, proc, records
 

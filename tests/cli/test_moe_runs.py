@@ -23,8 +23,8 @@ SINGLE = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.devi
 
 
 @pytest.fixture(scope="module")
-def moe_runs(data_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_runs")
+def moe_runs(data_dir, module_tmp):
+    root = module_tmp.mktemp("moe_runs")
     runs = {}
     for name, extra in (("plain", []), ("compiled", ["train.compile=true", "train.activation_checkpointing=true"])):
         run_dir = root / name

@@ -285,9 +285,9 @@ def test_help_describes_export_as_it_is():
 
 
 @pytest.fixture(scope="module")
-def trained_run(data_dir, tmp_path_factory) -> Path:
+def trained_run(data_dir, module_tmp) -> Path:
     """A 2-step tiny run with a checkpoint (the resume and harness cases need one)."""
-    run = tmp_path_factory.mktemp("trained") / "run"
+    run = module_tmp.mktemp("trained") / "run"
     run_dtrain(tiny_args(data_dir, run, "train.max_steps=2"), check=True)
     return run
 

@@ -26,10 +26,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(module_tmp) -> Path:
     """A tiny run directory as training leaves it: its resolved config, metrics lines and a
     checkpoint of two AdamW steps written by the real Checkpointer; plus a HellaSwag-format file."""
-    run_dir = tmp_path_factory.mktemp("outputs") / "run"
+    run_dir = module_tmp.mktemp("outputs") / "run"
     cfg, _ = checkpointed_tiny_run(run_dir, ["train.seq_len=32"], steps=2, tokens_per_step=32)
     write_config_record(run_dir, to_dict(cfg))
     (run_dir / "metrics.jsonl").write_text("".join(

@@ -24,9 +24,9 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(data_dir, tmp_path_factory) -> Path:
+def run_dir(data_dir, module_tmp) -> Path:
     """One real short run (val loss every 5 steps) shared by this module's tests."""
-    run = tmp_path_factory.mktemp("report") / "run"
+    run = module_tmp.mktemp("report") / "run"
     run_dtrain(tiny_args(data_dir, run, "train.val_interval=5"), check=True)
     return run
 

@@ -62,10 +62,10 @@ def sample(run_dir: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_tmp):
     """(root, run dir, the run's greedy sample): a tokenizer of VOCAB ids trained by `dtrain tokenizer
     train` in root/tok (a copy of it in root/tok_original), a tiny run trained with it to step 3."""
-    root = tmp_path_factory.mktemp("carries")
+    root = module_tmp.mktemp("carries")
     (root / "corpus.txt").write_text(corpus())
     train_tokenizer(root, VOCAB, root / "tok").check_returncode()
     shutil.copytree(root / "tok", root / "tok_original")

@@ -21,8 +21,6 @@ from trainer.checkpoint.integrity import CHECKSUM_ALGO, CorruptCheckpoint, verif
 from trainer.checkpoint.layout import MARKER, latest_checkpoint
 from trainer.checkpoint.verify import validate_checkpoint
 
-_FROM_OLDER: dict[str, Path] = {}
-
 
 def damage(kind: str, ckpt: Path) -> str:
     """Damage a checkpoint for real; returns what the error must name."""
@@ -43,23 +41,21 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-def resumed_from_older(reference: Path, data_dir: Path, root: Path) -> Path:
-    """The reference run continued from its intact step 6 by an explicit resume=PATH (cached)."""
-    if "none" not in _FROM_OLDER:
-        run_dir = root / "from_step_6"
-        ckpts = copy_whole_run(reference, run_dir)
-        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *RESUMED, f"resume={ckpts / CKPT_NAMES[1]}"),
-                   check=True)
-        _FROM_OLDER["none"] = run_dir
-    return _FROM_OLDER["none"]
+@pytest.fixture(scope="module")
+def resumed_from_older(data_dir, references, module_tmp) -> Path:
+    """The reference run continued from its intact step 6 by an explicit resume=PATH."""
+    run_dir = module_tmp.mktemp("from_step_6") / "run"
+    ckpts = copy_whole_run(references("none"), run_dir)
+    run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *RESUMED, f"resume={ckpts / CKPT_NAMES[1]}"), check=True)
+    return run_dir
 
 
 @pytest.mark.parametrize("kind", ["flip middle", pytest.param("flip first bytes", marks=pytest.mark.slow),
                                   pytest.param("delete .metadata", marks=pytest.mark.slow)])
-def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, references, tmp_path_factory):
+def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, references, resumed_from_older,
+                                                              tmp_path):
     reference = references("none")
-    root = tmp_path_factory.mktemp("fallback")
-    run_dir = root / "run"
+    run_dir = tmp_path / "run"
     ckpts = copy_whole_run(reference, run_dir)
     newest = ckpts / CKPT_NAMES[-1]
     expected = damage(kind, newest)
@@ -77,9 +73,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_intact_one(kind, data_dir, 
     assert sorted(p.name for p in ckpts.iterdir()) == [
         "corrupt_step_000008", "step_000003", "step_000006", "step_000009"]
     # Bit for bit the run an explicit resume from step 6 gives.
-    older = resumed_from_older(reference, data_dir, root)
-    assert loss_records(run_dir) == loss_records(older)
-    assert same_weights(run_dir, older)
+    assert loss_records(run_dir) == loss_records(resumed_from_older)
+    assert same_weights(run_dir, resumed_from_older)
 
 
 def test_explicit_corrupt_checkpoint_names_the_intact_one(data_dir, references, tmp_path):

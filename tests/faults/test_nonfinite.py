@@ -29,9 +29,9 @@ from trainer.process.runtime import Runtime
 
 
 @pytest.fixture(scope="module")
-def stopped(data_dir, tmp_path_factory):
+def stopped(data_dir, module_tmp):
     """on_nonfinite=stop (the default) with step 5's loss made NaN; checkpoints every 2 steps."""
-    run_dir = tmp_path_factory.mktemp("stop") / "run"
+    run_dir = module_tmp.mktemp("stop") / "run"
     proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=8", "checkpoint.interval=2",
                                 "train.log_interval=2"), env=inject(5))
     return run_dir, proc

@@ -44,9 +44,9 @@ def skipping_run(data_dir: Path, run_dir: Path, *overrides: str) -> dict[int, fl
 
 
 @pytest.fixture(scope="module")
-def host_read(data_dir, tmp_path_factory):
+def host_read(data_dir, module_tmp):
     """The reference: ddp with the plain AdamW, whose verdict the host reads before the update."""
-    return skipping_run(data_dir, tmp_path_factory.mktemp("host_read") / "run", "parallel=ddp", "optim.fused='false'")
+    return skipping_run(data_dir, module_tmp.mktemp("host_read") / "run", "parallel=ddp", "optim.fused='false'")
 
 
 @pytest.mark.slow

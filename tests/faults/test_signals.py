@@ -23,21 +23,20 @@ STEPS = 10  # room for three stops a step or two apart, then a continuation to t
 # No periodic checkpoint: the one the signal saves is the first (the save path from nothing).
 SIG_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")
 ORPHAN_TRIALS, ORPHAN_DEADLINE_S = 3, 15
-_REFERENCES: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir, tmp_path_factory):
+def reference(data_dir, module_tmp):
     """An uninterrupted run per mode (made once for the module)."""
-    root = tmp_path_factory.mktemp("signal_references")
+    root, made = module_tmp.mktemp("signal_references"), {}
 
     def get(mode: str) -> Path:
-        if mode not in _REFERENCES:
+        if mode not in made:
             run_dir = root / mode
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dtrain(tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES[mode].launch), check=True)
-            _REFERENCES[mode] = run_dir
-        return _REFERENCES[mode]
+            made[mode] = run_dir
+        return made[mode]
 
     return get
 

@@ -38,7 +38,6 @@ CASES = {
     # two replicas of two shards (world 4): its checkpoints are resumed under fsdp world 2 below
     "hsdp_2x2": ["parallel=hsdp", "parallel.dp_replicate=2", "world=4", "train.micro_batch_size=2"],
 }
-_RUNS: dict[str, Path] = {}
 
 
 def llama_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -46,16 +45,16 @@ def llama_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(data_dir, tmp_path_factory):
+def runs(data_dir, module_tmp):
     """name -> the run dir of an uninterrupted run (made on first use, once per module)."""
-    root = tmp_path_factory.mktemp("llama")
+    root, made = module_tmp.mktemp("llama"), {}
 
     def get(name: str) -> Path:
-        if name not in _RUNS:
+        if name not in made:
             overrides = ["parallel=none", "train.micro_batch_size=2"] if name == "reference" else CASES[name]
             run_dtrain(llama_args(data_dir, root / name, *overrides), check=True)
-            _RUNS[name] = root / name
-        return _RUNS[name]
+            made[name] = root / name
+        return made[name]
 
     return get
 

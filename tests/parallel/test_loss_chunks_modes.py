@@ -23,8 +23,8 @@ def _losses(data_dir, run_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def whole_head(data_dir, tmp_path_factory):
-    return _losses(data_dir, tmp_path_factory.mktemp("whole") / "run", *in_mode("none"))
+def whole_head(data_dir, module_tmp):
+    return _losses(data_dir, module_tmp.mktemp("whole") / "run", *in_mode("none"))
 
 
 @pytest.mark.slow

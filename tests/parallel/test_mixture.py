@@ -172,10 +172,10 @@ MIX = ("data=mix", "data.mix={a: 0.7, b: 0.3}")
 
 
 @pytest.fixture(scope="module")
-def mix_dir(tmp_path_factory) -> Path:
+def mix_dir(module_tmp) -> Path:
     """Two sources prepared from local text: a (about 30k tokens), b (a short other text, about 1,500
     tokens, half of it validation, so that its train split is read whole within 10 steps)."""
-    root = tmp_path_factory.mktemp("mix")
+    root = module_tmp.mktemp("mix")
     text = corpus_text()
     (root / "a.txt").write_text(text[:120_000])
     (root / "b.txt").write_text(text[-3_500:].upper())
@@ -203,10 +203,10 @@ def checkpointed_args(mix_dir: Path, run_dir: Path, mode: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def mix_runs(mix_dir, tmp_path_factory):
+def mix_runs(mix_dir, module_tmp):
     """mode -> (run dir, stderr) of its uninterrupted checkpointed mixture run, trained once per
     module. Read-only: a test that continues a run makes its own."""
-    root, made = tmp_path_factory.mktemp("mix_runs"), {}
+    root, made = module_tmp.mktemp("mix_runs"), {}
 
     def get(mode: str) -> tuple[Path, str]:
         if mode not in made:

@@ -59,9 +59,9 @@ CASES = {mode: on_reference_steps(mode) for mode in ("none", "dp", "ddp", "zero"
 
 
 @pytest.fixture(scope="module")
-def registration(tmp_path_factory):
+def registration(module_tmp):
     """(the folder on PYTHONPATH holding the module, the user's config folder holding optim/sgd.yaml)."""
-    root = tmp_path_factory.mktemp("registered")
+    root = module_tmp.mktemp("registered")
     (root / "throwaway_optims").mkdir()
     (root / "throwaway_optims" / "__init__.py").write_text("")
     (root / "throwaway_optims" / "sgd.py").write_text(SGD_MODULE)
@@ -143,10 +143,10 @@ def test_plan_command_answers_for_it(registration):
 
 # --- every mode (one short run each) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runs(data_dir, registration, tmp_path_factory):
+def runs(data_dir, registration, module_tmp):
     """name ("reference" or a mode) -> the run dir of its one uninterrupted run (made once)."""
     root, conf = registration
-    made, base = {}, tmp_path_factory.mktemp("sgd_runs")
+    made, base = {}, module_tmp.mktemp("sgd_runs")
 
     def get(name: str):
         if name not in made:

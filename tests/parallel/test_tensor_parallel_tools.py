@@ -36,9 +36,9 @@ SINGLE = Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.devi
 
 
 @pytest.fixture(scope="module")
-def tp_run(data_dir, tmp_path_factory):
+def tp_run(data_dir, module_tmp):
     """(run dir, stdout) of the TP run, and the one-process twin's run dir."""
-    root = tmp_path_factory.mktemp("tp_tools")
+    root = module_tmp.mktemp("tp_tools")
     out = {}
     for name, extra in (("tp", TP), ("one", ONE_PROCESS)):
         proc = run_dtrain(tiny_args(data_dir, root / name, *COMMON, *extra), env=inject(BAD_STEP))

@@ -26,9 +26,9 @@ def config(data_dir, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def trained_weights(data_dir, tmp_path_factory) -> str:
+def trained_weights(data_dir, module_tmp) -> str:
     """The tiny model trained 8 steps in this process: weights whose losses differ from token to token."""
-    root = tmp_path_factory.mktemp("val_weights")
+    root = module_tmp.mktemp("val_weights")
     run = Run(config(data_dir, "train.micro_batch_size=4"), ONE_CPU_PROCESS, root)
     for step in range(8):
         run.train_step(step)

@@ -43,10 +43,10 @@ sys.addaudithook(_count)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
+def setup(module_tmp) -> tuple[Path, Path, Path]:
     """(a run dir with a tiny model's weights as a state_dict file, a folder of task YAMLs, the
     YAML in it that no command here asks for: only an index build opens it)."""
-    root = tmp_path_factory.mktemp("startup")
+    root = module_tmp.mktemp("startup")
     run = root / "run"
     torch.manual_seed(0)
     cfg = compose(["model=tiny"])

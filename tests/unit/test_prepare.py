@@ -36,11 +36,11 @@ def _generated_text(n_lines: int = 20000) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory) -> Path:
+def tiny_file(module_tmp) -> Path:
     """tinyshakespeare's input.txt when the shared copy exists, else generated text of similar shape."""
     if TINY.is_file():
         return TINY
-    path = tmp_path_factory.mktemp("tiny") / "input.txt"
+    path = module_tmp.mktemp("tiny") / "input.txt"
     path.write_text(_generated_text())
     return path
 
