@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from helpers.checkpoints import checkpointed_tiny_run
 from helpers.dtrain import corpus_text, run_dtrain, tiny_args, train_losses
 from helpers.evals import BATCH, evaluate, make_examples, write_jsonl, write_tasks
+from helpers.once import folder_name, made_once, session_folder
 from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, reference_run
 
 from trainer.commands.export import cmd_export
@@ -49,32 +49,35 @@ def module_tmp(tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
-    """A prepared `text` dataset named `corpus` (about 300k tokens) shared by the whole session."""
-    root = tmp_path_factory.mktemp("data")
-    source = root / "corpus.txt"
-    source.write_text(corpus_text())
-    run_dtrain(["prepare", "data=text", "data.name=corpus", f"data.source={source}", f"data.dir={root}",
-                "data.val_fraction=0.1"], check=True)
-    return root
+    """A prepared `text` dataset named `corpus` (about 300k tokens) shared by the whole session, every
+    worker's tests included (the runs made once read it by its path)."""
 
+    def prepare(root: Path) -> None:
+        root.mkdir()
+        source = root / "corpus.txt"
+        source.write_text(corpus_text())
+        run_dtrain(["prepare", "data=text", "data.name=corpus", f"data.source={source}", f"data.dir={root}",
+                    "data.val_fraction=0.1"], check=True)
 
-_SHARED_RUNS: dict[tuple[str, ...], tuple[Path, str]] = {}
+    return made_once(session_folder(tmp_path_factory) / "data", prepare)
 
 
 @pytest.fixture(scope="session")
 def shared_run(data_dir, tmp_path_factory):
     """args -> (run dir, stdout) of the uninterrupted `tiny_args(data_dir, <dir>, *args)` run,
-    trained once per session: the modules that check the same run (test_parity's and test_compat's
-    modes, test_muon's and test_compat's Muon runs, the references) share it. Read-only: a test
-    that continues or damages a run makes its own."""
-    root = tmp_path_factory.mktemp("shared_runs")
+    trained once per session by whichever worker asks first (helpers.once): the modules that check
+    the same run (test_parity's and test_compat's modes, test_muon's and test_compat's Muon runs, the
+    references) share it. Read-only, for every worker reads it at once: a test that continues or
+    damages a run, or runs a command that writes into its folder (`dtrain eval`), makes its own."""
+    root = session_folder(tmp_path_factory)
+
+    def train(run_dir: Path, args: tuple[str, ...]) -> None:
+        stdout = run_dtrain(tiny_args(data_dir, run_dir, *args), check=True).stdout
+        run_dir.with_suffix(".stdout").write_text(stdout)  # beside the run dir, which holds the run's own files only
 
     def get(*args: str) -> tuple[Path, str]:
-        if args not in _SHARED_RUNS:
-            # a folder of its own even after a failed make (no entry): the next args never land in it
-            run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=root))
-            _SHARED_RUNS[args] = run_dir, run_dtrain(tiny_args(data_dir, run_dir, *args), check=True).stdout
-        return _SHARED_RUNS[args]
+        run_dir = made_once(root / folder_name(*args), lambda folder: train(folder, args))
+        return run_dir, run_dir.with_suffix(".stdout").read_text()
 
     return get
 
@@ -91,9 +94,9 @@ def adamw_reference(shared_run) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def references(data_dir, tmp_path_factory):
     """mode -> the uninterrupted checkpointed run of helpers.runs' CKPT_ARGS in that mode (made once
-    per session: the fault tests resume, damage copies of, or compare with it)."""
-    root = tmp_path_factory.mktemp("references")
-    return lambda mode: reference_run(mode, data_dir, root)
+    per session by whichever worker asks first: the fault tests resume, damage copies of, or compare
+    with it; read-only, as shared_run's)."""
+    return lambda mode: reference_run(mode, data_dir, session_folder(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ checkpointed runs the fault tests resume, and their once-per-session cache (conf
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 from helpers.dtrain import run_dtrain, tiny_args
+from helpers.once import made_once
 
 # The one-process run of 256-token steps (tiny model, AdamW, accumulation 4) that test_parity's
 # modes must track and test_muon's Muon must leave: made once per session for both.
@@ -77,17 +77,14 @@ STEPS, INTERVAL = 8, 3
 # 4 x 64 x world x accum tokens.
 CKPT_ARGS = (f"train.max_steps={STEPS}", f"checkpoint.interval={INTERVAL}", "train.grad_accum_steps=2")
 CKPT_NAMES = ["step_000003", "step_000006", "step_000008"]  # keep=3, the default
-_REFERENCES: dict[str, Path] = {}
 
 
 def reference_run(mode: str, data_dir: Path, root: Path) -> Path:
-    """An uninterrupted run (cached for the session: conftest.py's `references` hands it out)."""
-    if mode not in _REFERENCES:
-        run_dir = root / f"reference_{mode}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed(mode)), check=True)
-        _REFERENCES[mode] = run_dir
-    return _REFERENCES[mode]
+    """An uninterrupted run, made once per session in `root` (conftest.py's `references` hands it
+    out; helpers.once lets every worker share it)."""
+    return made_once(root / f"reference_{mode}",
+                     lambda run_dir: run_dtrain(tiny_args(data_dir, run_dir, *CKPT_ARGS, *checkpointed(mode)),
+                                                check=True))
 
 
 RESUMED = ("train.max_steps=9",)  # the copied run (8 steps) continues to step 9
