@@ -210,12 +210,14 @@ def _dense(block) -> bool:
 
 def _regrouped(tensor: torch.Tensor, widths: tuple[int, ...], tp: int, forward: bool) -> torch.Tensor:
     """A DTensor with its rows regrouped (group_rows) or ungrouped, in its own sharding. The full
-    matrix is gathered once (one matrix at a time: a checkpoint's save or load, not a step)."""
+    matrix is gathered once (one matrix at a time: a checkpoint's save or load, not a step). Every
+    rank then holds the same full matrix, so each cuts its own shard (src_data_rank=None) instead of
+    taking it from rank 0 in a scatter: one collective a matrix, not two."""
     convert = group_rows if forward else ungroup_rows
     if not isinstance(tensor, DTensor):
         return convert(tensor, widths, tp)
     full = convert(tensor.full_tensor(), widths, tp)
-    return distribute_tensor(full, tensor.device_mesh, tensor.placements)
+    return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
 
 
 def canonical_state(model: GPT, state: dict) -> dict:
