@@ -23,6 +23,7 @@ from trainer.optim.build import parts
 from trainer.parallel import strategy_class
 from trainer.parallel.context_parallel import SequenceSplit
 from trainer.parallel.tensor_parallel import canonical_state, parallelize, sum_whole_parameter_grads
+from trainer.process.mesh_shape import MeshShape
 from trainer.process.runtime import init_runtime
 
 
@@ -181,3 +182,23 @@ def launch_probe() -> dict:
     where its stdout goes."""
     return {"probe": os.environ.get(PROBE_ENV), "parent": os.getppid(), "rank": int(os.environ["RANK"]),
             "stdout": os.readlink("/proc/self/fd/1")}
+
+
+def gloo_group_threads() -> dict:
+    """The worker threads of each kind of gloo group a run makes (the world, a mesh dimension's,
+    new_group's) once init_runtime brought the world up, and one all-reduce's sum over each."""
+    rt = init_runtime("cpu", True, 60, 1, shape=MeshShape(tp=int(os.environ["WORLD_SIZE"])))
+    try:
+        groups = {"world": dist.group.WORLD,
+                  "mesh": init_device_mesh("cpu", (1, rt.world), mesh_dim_names=("dp", "tp")).get_group("tp"),
+                  "new_group": dist.new_group(backend="gloo")}
+        found = {}
+        for name, group in groups.items():
+            backend = group._get_backend(torch.device("cpu"))
+            total = torch.tensor([float(rt.rank + 1)])
+            dist.all_reduce(total, group=group)
+            found[name] = {"threads": backend.options._threads, "devices": len(backend.options._devices),
+                           "sum": total.item()}
+        return found
+    finally:
+        dist.destroy_process_group()
