@@ -37,10 +37,10 @@ $(VENV)/.installed: $(VENV)/.installed-train
 
 setup-compat: $(COMPAT_VENV)/.installed ## make .venv-compat: the floor torch (2.11.0, PyPI's default build) and what the compat tier needs
 
-$(COMPAT_VENV)/.installed: pyproject.toml
+$(COMPAT_VENV)/.installed: pyproject.toml Makefile
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install --quiet $(TORCH_FLOOR)
-	$(COMPAT_VENV)/bin/python -m pip install --quiet -e '.[export]' 'pytest>=8'
+	$(COMPAT_VENV)/bin/python -m pip install --quiet -e '.[export,tokenizers]' 'pytest>=8'
 	touch $@
 
 train: setup ## train a small GPT on the embedded Shakespeare dataset (experiment=shakespeare_cpu, ~3.5 min on 2 cores)

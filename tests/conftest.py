@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import checkpointed_tiny_run
-from helpers.dtrain import corpus_text, run_dtrain, tiny_args, train_losses
+from helpers.dtrain import SMALL_VOCAB, corpus_text, prepare_corpus, run_dtrain, tiny_args, train_losses
 from helpers.evals import BATCH, evaluate, make_examples, write_jsonl, write_tasks
 from helpers.once import folder_name, made_once, session_folder
 from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, reference_run
@@ -49,17 +49,19 @@ def module_tmp(tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
-    """A prepared `text` dataset named `corpus` (about 300k tokens) shared by the whole session, every
-    worker's tests included (the runs made once read it by its path)."""
+    """A prepared `text` dataset named `corpus` (about 550k tokens) with its own byte-level BPE of
+    SMALL_VOCAB ids in `tokenizer/` (`dtrain tokenizer train`), which tiny_args passes to every run on
+    it: GPT-2's 50,257-row embedding and head were most of a tiny model's step time and of each
+    checkpoint's 77 MB. Shared by the whole session, every worker's tests included (the runs made once
+    read it by its path)."""
+    return made_once(session_folder(tmp_path_factory) / "data", lambda root: prepare_corpus(root, SMALL_VOCAB))
 
-    def prepare(root: Path) -> None:
-        root.mkdir()
-        source = root / "corpus.txt"
-        source.write_text(corpus_text())
-        run_dtrain(["prepare", "data=text", "data.name=corpus", f"data.source={source}", f"data.dir={root}",
-                    "data.val_fraction=0.1"], check=True)
 
-    return made_once(session_folder(tmp_path_factory) / "data", prepare)
+@pytest.fixture(scope="session")
+def gpt2_data_dir(tmp_path_factory) -> Path:
+    """The same corpus prepared with GPT-2's tokenizer, for what only GPT-2's vocabulary shows: a
+    Hugging Face GPT-2 export transformers loads, HellaSwag and the harness on GPT-2 tokens."""
+    return made_once(session_folder(tmp_path_factory) / "data_gpt2", lambda root: prepare_corpus(root, None))
 
 
 @pytest.fixture(scope="session")
@@ -118,9 +120,10 @@ def hf_folder(trained, module_tmp) -> Path:
 
 # --- lm-evaluation-harness: one of each per session for test_harness and test_harness_workers ------
 @pytest.fixture(scope="session")
-def harness_run(data_dir, tmp_path_factory) -> Path:
+def harness_run(gpt2_data_dir, tmp_path_factory) -> Path:
+    """A tiny GPT-2-vocabulary run: the harness's `hf` model reads its export with GPT-2's tokenizer."""
     run = tmp_path_factory.mktemp("harness") / "run"
-    run_dtrain(tiny_args(data_dir, run, "train.max_steps=10"), check=True)
+    run_dtrain(tiny_args(gpt2_data_dir, run, "train.max_steps=10"), check=True)
     return run
 
 
@@ -151,14 +154,14 @@ def harness_world1(harness_run, harness_tasks) -> tuple[dict, dict[str, list[dic
 
 # --- HellaSwag: one trained run per session for test_hellaswag, test_hellaswag_workers, test_cli_errors
 @pytest.fixture(scope="session")
-def hellaswag_run(data_dir, tmp_path_factory):
+def hellaswag_run(gpt2_data_dir, tmp_path_factory):
     """A tiny GPT trained for 24 steps (4 x 64 tokens each) on the session corpus through the
     project's own Run, saved as a run dir (resolved config + state_dict), plus HellaSwag-format files
     for it. (10 steps already take the easy set from chance to 43/43.) The tests that run `dtrain
     eval` on it write only its eval_hellaswag.json."""
     root = tmp_path_factory.mktemp("hellaswag")
     run_dir = root / "run"
-    overrides = [a for a in tiny_args(data_dir, run_dir) if "=" in a and not a.startswith("hydra.")]
+    overrides = [a for a in tiny_args(gpt2_data_dir, run_dir) if "=" in a and not a.startswith("hydra.")]
     cfg = compose(overrides + ["train.max_steps=24", "optim.lr=3e-3", "data.val_fraction=0.1"])
     run = Run(cfg, Runtime(rank=0, local_rank=0, world=1, local_world=1, device=torch.device("cpu"),
                            distributed=False), run_dir)

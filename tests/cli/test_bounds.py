@@ -55,6 +55,13 @@ REFUSED = {
 }
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its bounds' figures count GPT-2's
+    50,257-row embedding."""
+    return gpt2_data_dir
+
+
 @pytest.mark.parametrize("overrides,needles", list(REFUSED.values()), ids=list(REFUSED))
 def test_value_past_its_bound_is_one_line_and_writes_nothing(overrides, needles, data_dir, tmp_path):
     run_dir = tmp_path / "run"

@@ -12,6 +12,13 @@ from helpers.dtrain import REPO, dtrain_env, run_dtrain, tiny_args
 from helpers.errors import assert_user_error
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its damaged shards and a batch larger
+    than the data are sized for GPT-2's ~300k tokens."""
+    return gpt2_data_dir
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [

@@ -27,6 +27,13 @@ from trainer.tokenizers.gpt2 import VOCAB_SIZE
 TEXT = "".join(f"Line {i}: the quality of mercy is not strained.\n" for i in range(3000))
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: it damages, copies and re-tokenizes the
+    GPT-2 shards and manifest."""
+    return gpt2_data_dir
+
+
 def copy_dataset(data_dir: Path, tmp_path: Path) -> Path:
     """A copy of the session's prepared `corpus` in a data.dir of its own; returns that data.dir."""
     root = tmp_path / "data"

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from helpers.dtrain import REPO, read_metrics, run_dtrain
+from helpers.dtrain import REPO, read_metrics, run_dtrain, tokenizer_args
 
 from trainer.config.batch import batch_plan
 from trainer.config.compose import compose
@@ -61,7 +61,7 @@ def test_command_line_overrides_beat_the_preset():
 def test_debug_preset_runs_with_every_periodic_action(data_dir, tmp_path):
     run = tmp_path / "run"
     run_dtrain(["train", "experiment=debug", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-                f"hydra.run.dir={run}"], check=True)
+                *tokenizer_args(data_dir), f"hydra.run.dir={run}"], check=True)
     records = read_metrics(run)
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # every step logged
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4, 6]

@@ -36,6 +36,13 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", []),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", ["model.qk_norm=true"])}
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its Hugging Face Llama folders have a
+    GPT-2-sized vocabulary."""
+    return gpt2_data_dir
+
+
 def llama_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     """tiny_args with model=llama_tiny (a later model=... in `extra` still wins)."""
     args = tiny_args(data_dir, run_dir, *extra)

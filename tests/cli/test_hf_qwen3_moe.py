@@ -39,6 +39,13 @@ MOE = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.top_k=2", "mo
        "model.moe.norm_topk_prob=true", "model.moe.aux_loss_coef=0.01"]
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its Hugging Face folders have a
+    GPT-2-sized vocabulary."""
+    return gpt2_data_dir
+
+
 def moe_overrides(every: int = 1, *extra: str) -> list[str]:
     return ["model=llama_tiny", *MOE, f"model.moe.every={every}", *extra]
 

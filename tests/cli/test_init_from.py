@@ -26,6 +26,13 @@ from trainer.weights.init_source import check_init_source
 
 
 @pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its sources are GPT-2-vocabulary models
+    and Hugging Face GPT-2 folders."""
+    return gpt2_data_dir
+
+
+@pytest.fixture(scope="module")
 def hf_folder(module_tmp) -> Path:
     return make_hf_folder(module_tmp.mktemp("hf") / "gpt2")
 

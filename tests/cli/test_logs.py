@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
+from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, tokenizer_args
+from helpers.processes import paced
 from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
 
 from trainer.observe.metrics import ProgressView
@@ -177,9 +178,10 @@ def test_debug_preset_through_a_pipe_shows_each_step_as_it_goes(data_dir, tmp_pa
     holds them."""
     run_dir = tmp_path / "run"
     env = dtrain_env()
+    env = paced(env)  # steps slower than a write: the lines must arrive apart, not only be written apart
     env.pop("PYTHONUNBUFFERED", None)
     args = ["train", "experiment=debug", "data=text", "data.name=corpus", f"data.dir={data_dir}",
-            "train.sample_tokens=0", f"hydra.run.dir={run_dir}",
+            *tokenizer_args(data_dir), "train.sample_tokens=0", f"hydra.run.dir={run_dir}",
             "train.val_interval=0"]  # validation at the end only: its line would flush the step lines before it
     with (tmp_path / "stderr.txt").open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, text=True,

@@ -14,6 +14,7 @@ from helpers.evals import make_examples, write_jsonl
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.evals.hellaswag_file import read_examples
 from trainer.process.runtime import Runtime
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.from_checkpoint import model_from_run
 
 STEPS, SAMPLE_TOKENS, SEED = 4, 16, 1337
@@ -58,6 +59,7 @@ def test_eval_of_the_checkpoint_scores_its_weights(moe_runs, tmp_path):
     run_dtrain(["eval", str(run_dir), f"eval.hellaswag.path={path}", "--out", str(tmp_path)], check=True)
     record = json.loads((tmp_path / "eval_hellaswag.json").read_text())
     model, cfg = model_from_run(run_dir)
-    want = HellaSwagEval(read_examples(path), 0, 1, 8, cfg.model.block_size).evaluate(model, SINGLE)
+    want = HellaSwagEval(read_examples(path), 0, 1, 8, cfg.model.block_size,
+                         load_tokenizer(cfg.tokenizer)).evaluate(model, SINGLE)
     assert record["hellaswag_n"] == want.n == 8
     assert (record["hellaswag_correct"], record["hellaswag_correct_norm"]) == (want.correct, want.correct_norm)

@@ -36,6 +36,13 @@ if __name__ == "__main__":
 """
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its figures are those of models whose
+    tied 50,257-row embedding holds much of the state."""
+    return gpt2_data_dir
+
+
 def assert_user_error(proc, needle):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers.checkpoints import crashed_copy, same_weights, snapshot
 from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
-from helpers.processes import wait_for_steps
+from helpers.processes import paced, wait_for_steps
 from helpers.runs import CKPT_ARGS
 from omegaconf import OmegaConf
 
@@ -30,7 +30,8 @@ def one_error_line(proc) -> str:
 
 
 def start(args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=dtrain_env(),
+    """A run in the background, paced (helpers.processes.PACE_S) for the test to interrupt."""
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=paced(dtrain_env()),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

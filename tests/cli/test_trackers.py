@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
-from helpers.processes import logged_steps, wait_for
+from helpers.processes import logged_steps, paced, wait_for
 
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
 
@@ -157,7 +157,7 @@ def test_a_continuation_reopens_the_same_tracker_runs_without_repeating_a_step(d
     pytest.importorskip("mlflow")
     run, env, log = tmp_path / "run", tracker_env(tmp_path), tmp_path / "killed.log"
     args = tiny_args(data_dir, run, "logger=[wandb,mlflow]", "train.max_steps=12", "checkpoint.interval=4")
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, stdout=log.open("w"),
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=paced(env), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: logged_steps(run)[-1:] >= [6], proc, log)  # past the step-4 checkpoint
     os.killpg(proc.pid, signal.SIGKILL)

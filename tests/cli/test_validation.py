@@ -30,6 +30,13 @@ from trainer.process.runtime import Runtime
 from trainer.tokenizers.gpt2 import VOCAB_SIZE
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its vocabulary checks name GPT-2's
+    tokenizer."""
+    return gpt2_data_dir
+
+
 @pytest.mark.parametrize(
     "overrides,needles",
     [

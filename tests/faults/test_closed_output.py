@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.dtrain import REPO, args_with, dtrain_env, read_metrics
-from helpers.processes import logged
+from helpers.processes import logged, paced
 
 from trainer.checkpoint.layout import checkpoint_step, is_complete, latest_checkpoint
 from trainer.observe.metrics import ProgressView
@@ -47,7 +47,7 @@ def _in_the_foreground(command: list[str]) -> list[str]:
 
 def _dtrain(args: list[str], foreground: bool = False, **streams) -> subprocess.Popen:
     command = [sys.executable, "-m", "trainer", *args]
-    return subprocess.Popen(_in_the_foreground(command) if foreground else command, cwd=REPO, env=dtrain_env(),
+    return subprocess.Popen(_in_the_foreground(command) if foreground else command, cwd=REPO, env=paced(dtrain_env()),
                             text=True, **streams)
 
 

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 from helpers.checkpoints import copy_whole_run, crashed_copy, flip, snapshot
-from helpers.dtrain import corpus_text, read_metrics, run_dtrain, tiny_args, train_losses
+from helpers.dtrain import (
+    SMALL_VOCAB,
+    TOKENIZER_FOLDER,
+    corpus_text,
+    read_metrics,
+    run_dtrain,
+    tiny_args,
+    tokenizer_args,
+    train_losses,
+)
 from helpers.errors import one_line_error
 from helpers.processes import finish, kill_group, logged, past_a_checkpoint, start_dtrain, wait_for
 from helpers.runs import CKPT_ARGS, CKPT_NAMES, RESUMED
@@ -29,12 +38,13 @@ from helpers.runs import CKPT_ARGS, CKPT_NAMES, RESUMED
 from trainer.checkpoint.layout import MARKER, STATE_FILE, latest_checkpoint, list_checkpoints
 from trainer.checkpoint.records import newest_resumable
 from trainer.config.compose import compose
+from trainer.data.layout import as_data_cfg, dataset_dir
 from trainer.errors import DataError
 from trainer.observe.metrics import MetricsLogger
 from trainer.observe.results import run_figures
 from trainer.preflight.continuation import check_same_data
 from trainer.preflight.rundir import CONFIG_RECORD, RunDirState, check_run_dir
-from trainer.tokenizers.gpt2 import GPT2_FINGERPRINT
+from trainer.tokenizers.load import identity_of, load_tokenizer
 
 STEPS = 10  # stopped after step 3: steps left to continue
 STOP_ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=0")
@@ -218,21 +228,23 @@ def test_no_intact_checkpoint_left_is_refused_before_anything_is_written(data_di
 
 
 def test_another_tokenizer_under_the_same_ids_is_refused(data_dir, references, tmp_path):
-    """The same shards under a manifest that names another tokenizer: the checkpoint records GPT-2's."""
+    """The same shards under a manifest that names another tokenizer: the checkpoint records the
+    session tokenizer's name, size, end-of-text id and file fingerprint (issue 36)."""
     root = tmp_path / "data"
-    shutil.copytree(data_dir / "corpus", root / "corpus")
-    manifest = root / "corpus" / "manifest.json"
+    shutil.copytree(data_dir, root)
+    data = ["model=tiny", "data=text", "data.name=corpus"]
+    cfg = compose([*data, f"data.dir={root}", *tokenizer_args(root)])
+    manifest = dataset_dir(as_data_cfg(cfg.data)) / "manifest.json"
     record = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**record, "tokenizer": "llama", "vocab_size": 128_256}))
     run_dir = tmp_path / "run"
     copy_whole_run(references("none"), run_dir)
     chosen = newest_resumable(run_dir / "checkpoints")
-    assert chosen.state["tokenizer"] == {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256,
-                                         "tokenizer_fingerprint": GPT2_FINGERPRINT}  # issue 36: the file's too
-    cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={root}"])
-    with pytest.raises(DataError, match="tokenizer 'gpt2' then, 'llama' now; vocab_size 50257 then, 128256 now"):
+    tokenizer = load_tokenizer({"name": "hf", "path": str(data_dir / TOKENIZER_FOLDER)})
+    assert chosen.state["tokenizer"] == identity_of(tokenizer) and tokenizer.vocab_size == SMALL_VOCAB
+    with pytest.raises(DataError, match=f"tokenizer 'hf' then, 'llama' now; vocab_size {SMALL_VOCAB} then, 128256 now"):
         check_same_data(cfg, run_dir, chosen)
-    check_same_data(compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}"]), run_dir, chosen)
+    check_same_data(compose([*data, f"data.dir={data_dir}", *tokenizer_args(data_dir)]), run_dir, chosen)
 
 
 # --- a continued run's metrics: one summary, the continued run's ------------------------------------

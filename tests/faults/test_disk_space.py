@@ -28,6 +28,13 @@ STEPS = 20
 ARGS = (f"train.max_steps={STEPS}", "checkpoint.interval=4", "checkpoint.keep=3")
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its disks are sized for
+    GPT-2-vocabulary checkpoints."""
+    return gpt2_data_dir
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """Mounts a tmpfs of the size given; unmounted at the end."""

@@ -20,9 +20,15 @@ import pytest
 from helpers.checkpoints import assert_continues_bitwise
 from helpers.dtrain import REPO, dtrain_env, tiny_args
 from helpers.errors import error_line
-from helpers.processes import alive, wait_for_steps, worker_pids
+from helpers.processes import alive, paced, wait_for_steps, worker_pids
 
-from trainer.process.hang_watch import FLOOR_S, StepProgress, default_limit_s, flight_recorder_env, injected_delay
+from trainer.process.hang_watch import (
+    FLOOR_S,
+    StepProgress,
+    default_limit_s,
+    flight_recorder_env,
+    injected_delay,
+)
 
 HANG_S = 5  # launch.hang_timeout_s of these runs
 # what ending may take past the limit: the other ranks' answers are awaited 5 s (the least grace),
@@ -86,7 +92,7 @@ def test_a_frozen_rank_is_named_and_the_same_command_continues_bitwise(data_dir,
     reference = shared_run("parallel=ddp", *ARGS)[0]
     run_dir = tmp_path / "run"
     args = tiny_args(data_dir, run_dir, "parallel=ddp", *ARGS)
-    proc = _start(args)
+    proc = _start(args, env=paced(dtrain_env()))  # so that the run is still training when rank 1 stops
     wait_for_steps(run_dir, 6, proc)
     workers = sorted(worker_pids(proc.pid))  # spawned in rank order
     os.kill(workers[1], signal.SIGSTOP)

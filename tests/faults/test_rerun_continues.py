@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, train_losses
-from helpers.processes import logged_steps, start_dtrain, wait_for_steps
+from helpers.processes import logged_steps, paced, start_dtrain, wait_for_steps
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_ctrl_c_then_the_same_command_continues_the_run(data_dir, tmp_path):
     home.mkdir()
     args = [a for a in tiny_args(data_dir, tmp_path / "unused", "train.max_steps=12") if not a.startswith(
         ("hydra.run.dir", "train.max_steps=20"))]
-    first = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=home, env=dtrain_env(), text=True,
+    first = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=home, env=paced(dtrain_env()), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     runs = home / "outputs"
     while not runs.is_dir() or not any(runs.iterdir()):

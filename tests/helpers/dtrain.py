@@ -49,8 +49,34 @@ def run_dtrain(args: list[str], cwd: Path | None = None, check: bool = False, ti
     return proc
 
 
+# The session dataset's own tokenizer (conftest.data_dir): a byte-level BPE trained on the corpus.
+SMALL_VOCAB = 512
+TOKENIZER_FOLDER = "tokenizer"
+
+
+def prepare_corpus(root: Path, vocab: int | None) -> None:
+    """`dtrain prepare` the corpus into `root`, with a BPE of `vocab` ids trained on it into
+    root/TOKENIZER_FOLDER first (None: GPT-2's tokenizer)."""
+    root.mkdir()
+    source = root / "corpus.txt"
+    source.write_text(corpus_text())
+    data = ["data=text", "data.name=corpus", f"data.source={source}", f"data.dir={root}"]
+    if vocab is not None:
+        run_dtrain(["tokenizer", "train", *data, f"tokenizer.vocab_size={vocab}",
+                    f"tokenizer.path={root / TOKENIZER_FOLDER}"], check=True)
+    run_dtrain(["prepare", *data, "data.val_fraction=0.1", *tokenizer_args(root)], check=True)
+
+
+def tokenizer_args(data_dir: Path) -> list[str]:
+    """The overrides that read `data_dir` with its own tokenizer: the one in its TOKENIZER_FOLDER,
+    else GPT-2's (the default)."""
+    folder = data_dir / TOKENIZER_FOLDER
+    return ["tokenizer=hf", f"tokenizer.path={folder}"] if folder.is_dir() else []
+
+
 def tiny_args(data_dir: Path, run_dir: Path | None, *extra: str, sweep: bool = False) -> list[str]:
-    """A fast tiny-model training run on the session dataset into `run_dir`: 20 steps, no validation.
+    """A fast tiny-model training run on the dataset in `data_dir` (its own tokenizer: tokenizer_args)
+    into `run_dir`: 20 steps, no validation.
     sweep=True: a sweep (`train -m`, its values in `extra`) of 6-step points validated at steps 3 and
     6, into `run_dir` as hydra.sweep.dir (None: Hydra's default, multirun/ under the working folder)."""
     if sweep:
@@ -60,7 +86,8 @@ def tiny_args(data_dir: Path, run_dir: Path | None, *extra: str, sweep: bool = F
         command, into = ["train"], "run"
         length = ["train.max_steps=20", "train.val_interval=0", "optim.warmup_steps=5"]
     folder = [f"hydra.{into}.dir={run_dir}"] if run_dir is not None else []
-    return [*command, "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", *length,
+    return [*command, "model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}",
+            *tokenizer_args(data_dir), *length,
             "train.log_interval=1", "train.val_tokens=512", "train.sample_tokens=0", "train.progress=false",
             "train.micro_batch_size=4", "train.seq_len=64", *folder, *extra]
 

@@ -17,11 +17,22 @@ from pathlib import Path
 
 from helpers.dtrain import REPO, dtrain_env
 from trainer.checkpoint.layout import checkpoint_step, latest_checkpoint
+from trainer.process.hang_watch import INJECT_DELAY_ENV
+
+# Rank 0 of a run started here sleeps this long before each step's first batch (the DTRAIN_INJECT_DELAY
+# hook), so the signal or kill -9 a test sends once a step is logged lands mid-run on any machine:
+# the session corpus's 512-id vocabulary makes a tiny step take milliseconds, less than a poll.
+PACE_S = 0.1
+
+def paced(env: dict[str, str], seconds: float = PACE_S) -> dict[str, str]:
+    """`env` with rank 0 sleeping `seconds` before each step (PACE_S)."""
+    return {**env, INJECT_DELAY_ENV: f"0@*:{seconds}"}
 
 
 def start_dtrain(args: list[str], log: Path) -> subprocess.Popen:
-    """dtrain in its own session (process group), so one killpg takes the driver and its workers."""
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=dtrain_env(),
+    """dtrain in its own session (process group), so one killpg takes the driver and its workers;
+    paced (PACE_S), for a test to interrupt."""
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=REPO, env=paced(dtrain_env()),
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

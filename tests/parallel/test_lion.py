@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.checkpoints import assert_continues_bitwise, one_process_optimizer
 from helpers.dist_workers import every_rank, train_and_inspect
-from helpers.dtrain import REPO, run_dtrain, tiny_args, train_losses
+from helpers.dtrain import REPO, run_dtrain, tiny_args, tokenizer_args, train_losses
 from helpers.processes import kill_past_a_checkpoint
 from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, REFERENCE_STEPS, assert_matches_one_process, on_reference_steps
 
@@ -127,7 +127,8 @@ def test_plan_command_runs_for_lion():
 def test_zero_rank_holds_the_planned_lion_state(data_dir, tmp_path):
     """parallel=zero at world 2: each rank's Lion keeps exp_avg for its rows only, the busiest rank
     exactly what the plan says, and the replicas stay identical."""
-    cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
+    cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", *tokenizer_args(data_dir),
+        "train.seq_len=32",
                    "train.micro_batch_size=2", "world=2", "parallel=zero", "optim=lion"])
     results = every_rank(train_and_inspect, 2, to_dict(cfg), str(tmp_path), 3)
     ranks = [results[r] for r in range(2)]
@@ -148,7 +149,7 @@ def test_first_line_names_lion(runs):
 def test_reference_learns_and_is_not_adamw(runs, adamw_reference):
     losses = train_losses(runs("reference")[0])
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[STEPS] < losses[1] - 0.2, losses  # 0.30 measured at lr 3e-4
+    assert losses[STEPS] < losses[1] - 0.1, losses  # 0.18 measured at lr 3e-4 (512-id vocabulary)
     assert max(abs(losses[step] - adamw_reference[step]) for step in losses) > 1e-2, (losses, adamw_reference)
 
 

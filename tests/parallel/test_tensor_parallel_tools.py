@@ -24,6 +24,7 @@ from helpers.runs import ONE_PROCESS, REFERENCE_BATCH, assert_matches_one_proces
 from trainer.evals.hellaswag import HellaSwagEval
 from trainer.evals.hellaswag_file import read_examples
 from trainer.process.runtime import Runtime
+from trainer.tokenizers.load import load_tokenizer
 from trainer.weights.from_checkpoint import model_from_run
 
 STEPS, BAD_STEP, SAMPLE_TOKENS, SEED = 8, 6, 24, 1337
@@ -74,7 +75,8 @@ def test_eval_of_the_checkpoint_scores_its_weights(tp_run, tmp_path):
     run_dtrain(["eval", str(tp_dir), f"eval.hellaswag.path={path}", "--out", str(tmp_path)], check=True)
     record = json.loads((tmp_path / "eval_hellaswag.json").read_text())
     model, cfg = model_from_run(tp_dir)
-    want = HellaSwagEval(read_examples(path), 0, 1, 8, cfg.model.block_size).evaluate(model, SINGLE)
+    want = HellaSwagEval(read_examples(path), 0, 1, 8, cfg.model.block_size,
+                         load_tokenizer(cfg.tokenizer)).evaluate(model, SINGLE)
     assert record["hellaswag_n"] == want.n == 16
     assert (record["hellaswag_correct"], record["hellaswag_correct_norm"]) == (want.correct, want.correct_norm)
 
@@ -86,7 +88,7 @@ def test_export_holds_the_checkpoints_full_weights(tp_run, tmp_path):
     run_dtrain(["export", str(tp_dir), "--out", str(tmp_path / "hf")], check=True)
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     model, _ = model_from_run(tp_dir)
-    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, hf.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(ids)[0]
         theirs = hf(ids).logits

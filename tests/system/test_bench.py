@@ -7,14 +7,21 @@ import subprocess
 import sys
 
 import pytest
-from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args
+from helpers.dtrain import REPO, dtrain_env, read_metrics, run_dtrain, tiny_args, tokenizer_args
 
 BENCH = REPO / "scripts" / "bench.py"
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its MFU figures are checked against
+    GPT-2-vocabulary models."""
+    return gpt2_data_dir
+
+
 def bench(args, data_dir, tmp_path, timeout=300):
     out = tmp_path / "bench.json"
-    data = ["data=text", "data.name=corpus", f"data.dir={data_dir}"]
+    data = ["data=text", "data.name=corpus", f"data.dir={data_dir}", *tokenizer_args(data_dir)]
     proc = subprocess.run([sys.executable, str(BENCH), *args, "--json", str(out), *data], cwd=REPO,
                           env=dtrain_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

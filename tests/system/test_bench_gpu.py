@@ -8,9 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers.dtrain import REPO, dtrain_env
+from helpers.dtrain import REPO, dtrain_env, tokenizer_args
 
 from trainer.parallel import STRATEGIES
+
+
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its rows are GPT-2-vocabulary models."""
+    return gpt2_data_dir
 
 
 def bench_gpu(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -70,7 +76,7 @@ def test_sections_and_batches_pick_the_rows(data_dir, tmp_path):
     out = tmp_path / "rows.json"
     proc = bench_gpu("--device", "cpu", "--tiny", "--warmup", "1", "--rounds", "1", "--block", "1",
                      "--sections", "throughput", "--batches", "2", "--json", str(out),
-                     "data=text", "data.name=corpus", f"data.dir={data_dir}")
+                     "data=text", "data.name=corpus", f"data.dir={data_dir}", *tokenizer_args(data_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["section"], r["case"]) for r in rows] == [("throughput", "tiny B=2"), ("throughput", "llama_tiny B=2")]

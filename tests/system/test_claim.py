@@ -49,6 +49,13 @@ claim.claim_run = claim_run
 NO_ROOM = "not enough free space for the run's first checkpoint"
 
 
+@pytest.fixture(scope="module")
+def data_dir(gpt2_data_dir):
+    """The session corpus in GPT-2's vocabulary for this module: its disks are sized for
+    GPT-2-vocabulary checkpoints."""
+    return gpt2_data_dir
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB file system: room for Hydra's records (and the 1 MiB a folder about to be written must

@@ -24,7 +24,7 @@ def test_tiny_run_learns_logs_validates_and_samples(data_dir, tmp_path):
     for r in train:
         assert {"step", "tokens", "loss", "lr", "tokens_per_s", "grad_norm"} <= r.keys()
         assert r["tokens"] == r["step"] * 4 * 64
-    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert train[-1]["loss"] < train[0]["loss"] - 0.75  # from chance, ln(512) = 6.24
     vals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in vals] == [10, 20, 30] and vals[-1]["val_loss"] < vals[0]["val_loss"]
     assert records[-1]["summary"]["steps"] == 30

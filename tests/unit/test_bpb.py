@@ -39,10 +39,10 @@ def test_per_token_losses_average_to_the_loss(chunks):
     assert losses.mean().item() == pytest.approx(loss.item(), rel=1e-6)
 
 
-def test_val_loss_and_bpb_are_per_token_over_the_first_val_tokens(data_dir, tmp_path):
+def test_val_loss_and_bpb_are_per_token_over_the_first_val_tokens(gpt2_data_dir, tmp_path):
     """The figures of the first floor(val_tokens / seq_len) sequences of the val split (7 here: micro
     batches of 2, the last padded), computed here in one batch straight from the shard."""
-    cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={data_dir}", "train.device=cpu",
+    cfg = compose(["model=tiny", "data=text", "data.name=corpus", f"data.dir={gpt2_data_dir}", "train.device=cpu",
                    "train.micro_batch_size=2", "train.seq_len=32", "train.grad_accum_steps=1", "train.val_tokens=229"])
     run = Run(cfg, ONE_CPU_PROCESS, Path(tmp_path))
     loss, bpb = run.val_loss()
