@@ -139,7 +139,8 @@ def test_second_signal_exits_at_once_without_saving(mode, data_dir, tmp_path):
     driver takes first is not fixed: its waiter thread dequeues the lower number first, but a thread
     started before the driver blocks them (numpy's OpenBLAS thread server, started at numpy's import;
     gdb shows it) can take the other one, which the Python handler then runs (measured: 2 runs in 6
-    took SIGTERM first). Sent this close together, neither signal is the user's first. The exit code names the one it took second."""
+    took SIGTERM first). Sent this close together, neither signal is the user's first. The exit
+    code names the one the driver took second."""
     run_dir, log = tmp_path / "run", tmp_path / "twice.log"
     _, proc, workers = start_and_wait(mode, data_dir, run_dir, log, "train.max_steps=100000")
     os.kill(proc.pid, signal.SIGSTOP)
