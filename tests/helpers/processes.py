@@ -24,9 +24,10 @@ from trainer.process.hang_watch import INJECT_DELAY_ENV
 # the session corpus's 512-id vocabulary makes a tiny step take milliseconds, less than a poll.
 PACE_S = 0.1
 
-def paced(env: dict[str, str], seconds: float = PACE_S) -> dict[str, str]:
-    """`env` with rank 0 sleeping `seconds` before each step (PACE_S)."""
-    return {**env, INJECT_DELAY_ENV: f"0@*:{seconds}"}
+
+def paced(env: dict[str, str]) -> dict[str, str]:
+    """`env` with rank 0 sleeping PACE_S before each step."""
+    return {**env, INJECT_DELAY_ENV: f"0@*:{PACE_S}"}
 
 
 def start_dtrain(args: list[str], log: Path) -> subprocess.Popen:
