@@ -19,6 +19,7 @@ from helpers.processes import STOP_LINE, alive, finish, logged, start_dtrain, wa
 from helpers.runs import MODES
 
 from trainer.checkpoint.layout import checkpoint_step, is_complete, latest_checkpoint
+from trainer.process.signals import RELAY_GRACE_S
 
 # Room for three stops, then a continuation to the end: at the paced step (0.1 s of sleep, 10 ms of
 # work) a stop lands two or three steps after its signal (4, 7, 10 measured), more under load.
@@ -195,6 +196,33 @@ def group_stop(sig: signal.Signals, moment: str, data_dir: Path, run_dir: Path, 
     for pid in workers:
         assert not alive(pid), f"worker {pid} still running after the driver exited"
     return args, out
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_workers_alone_while_they_start_is_saved_at_their_first_step(data_dir, tmp_path):
+    """No relay ever comes (the driver got nothing): a worker still starting must not take a direct
+    SIGUSR1 for its launcher's teardown (torch's agent tears down with SIGTERM) and exit unsaved once
+    the relay's grace is over; it saves at its first step, however long the start takes. One worker
+    is held stopped past that grace (a peer slow to start on a loaded machine), so the other waits
+    for the group that long with the signal in hand."""
+    run_dir, log = tmp_path / "run", tmp_path / "stopped.log"
+    args = tiny_args(data_dir, run_dir, *SIG_ARGS, *MODES["ddp"].launch)
+    proc = start_dtrain(args, log)
+    wait_for(lambda: len(worker_pids(proc.pid)) == 2, proc, log)
+    workers = worker_pids(proc.pid)
+    os.kill(workers[1], signal.SIGSTOP)
+    for pid in workers:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(RELAY_GRACE_S + 2)
+    os.kill(workers[1], signal.SIGCONT)
+    out = finish(proc, log)
+    assert "Traceback" not in out, out[-3000:]
+    lines = STOP_LINE.findall(out)
+    assert len(lines) == 1 and (lines[0][0], int(lines[0][3])) == ("SIGUSR1", 128 + signal.SIGUSR1), out[-3000:]
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and is_complete(ckpt) and Path(lines[0][2]) == ckpt, (lines, ckpt)
+    for pid in workers:
+        assert not alive(pid), f"worker {pid} still running after the driver exited"
 
 
 @pytest.mark.slow

@@ -28,7 +28,11 @@ thread waits inside torch's store for peers. A watcher thread sees it through th
 driver does not relay it (plain torchrun never does), it is the launcher tearing the job down because
 a peer failed (or the user stopping a job that has made no step): the peer will never join, so the
 worker exits at once and silently (128+N; nothing to save yet) instead of waiting out the launcher's
-30 s before its SIGKILL; the peer's failure is what the driver reports.
+30 s before its SIGKILL; the peer's failure is what the driver reports. Only a signal the launcher
+tears down with counts: torch's agent sends its workers SIGTERM, or under plain torchrun the SIGINT or
+SIGTERM it got itself; never SIGUSR1 (it does not handle it), and under dtrain's driver, which keeps
+the agent's handlers off the stop signals, never SIGINT. Those are always a user's stop, saved at the
+first step however late the relay comes on a loaded machine.
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ class StopSignals:
         self.rank = rank
         self.signum = 0  # the first stop signal this process received (0: none)
         self.relayed_by_driver = os.environ.get(RELAY_ENV) == "1"
+        # What a launcher tears its workers down with (see the module's docstring).
+        self.teardown_signals = {signal.SIGTERM} if self.relayed_by_driver else {signal.SIGTERM, signal.SIGINT}
         # A launcher's worker (torchrun or dtrain's driver) dies with its launcher.
         self.parent = os.getppid() if under_torchrun() else None
         self.previous: dict[int, object] = {}
@@ -187,7 +193,7 @@ class StopSignals:
                         return  # the process group is up
                     relayed = relayed or bool(relays.intersection(received))  # a stop: saved at the first step
                     if not direct:
-                        direct = next((sig for sig in received if sig in STOP_SIGNALS), 0)
+                        direct = next((sig for sig in received if sig in self.teardown_signals), 0)
                         deadline = time.monotonic() + RELAY_GRACE_S
                 if direct and not relayed and time.monotonic() >= deadline and not self.group_up.is_set():
                     os._exit(128 + direct)  # the launcher's teardown: a peer failed, none will join
