@@ -1,8 +1,10 @@
 """What a multi-process launch costs before its first step: the same one-step run of the tiny model
 with its workers forked from a forkserver (launch.start_method=forkserver, the default) and spawned
-(launch.start_method=spawn, each worker a fresh interpreter), alternating, round after round.
+(launch.start_method=spawn, each worker a fresh interpreter), alternating, round after round. With
+--against DIR: this checkout's launch against the checkout in DIR (a `git worktree` or clone of
+another commit), both forked, to measure a change to how dtrain starts.
 
-    .venv/bin/python scripts/bench_launch.py [--rounds 5] [--worlds 2 4] [--steps 1]
+    .venv/bin/python scripts/bench_launch.py [--rounds 5] [--worlds 2 4] [--steps 1] [--against DIR]
                                              [-- extra overrides for every run]
 
 Each launch is `dtrain train model=tiny parallel=ddp world=W` on the embedded default dataset (a
@@ -28,8 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 METHODS = ("spawn", "forkserver")
 
 
-def launch(run_dir: Path, world: int, method: str, steps: int, extra: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one run."""
+def launch(run_dir: Path, world: int, method: str, steps: int, extra: list[str],
+           checkout: Path = REPO) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run of the dtrain in `checkout` (`python -m trainer` there
+    imports that folder's package first)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "trainer", "train", "model=tiny", "parallel=ddp", f"world={world}",
            f"launch.start_method={method}", f"train.max_steps={steps}", "train.val_interval=0",
@@ -37,7 +41,7 @@ def launch(run_dir: Path, world: int, method: str, steps: int, extra: list[str])
            "resume=never", f"hydra.run.dir={run_dir}", *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=checkout, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -52,31 +56,41 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--against", type=Path, help="another checkout, launched against this one")
     parser.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     args = parser.parse_args()
+    # (label, checkout, start method): the first is the baseline the last column divides by
+    if args.against is not None:
+        variants = [(args.against.resolve().name, args.against.resolve(), "forkserver"),
+                    ("this checkout", REPO, "forkserver")]
+    else:
+        variants = [(method, REPO, method) for method in METHODS]
     figures: dict[tuple[int, str], dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as tmp:
         run_dir = Path(tmp) / "run"
-        launch(run_dir, 1, "forkserver", 1, args.extra)  # prepares the default dataset, untimed
+        for _, checkout, _ in variants:  # prepares the default dataset (each checkout's own), untimed
+            launch(run_dir, 1, "forkserver", 1, args.extra, checkout)
         for round_ in range(1, args.rounds + 1):
             for world in args.worlds:
-                # alternate which method goes first, so a drift in the machine's load favours neither
-                for method in METHODS if round_ % 2 else METHODS[::-1]:
-                    wall, cpu = launch(run_dir, world, method, args.steps, args.extra)
-                    runs = figures.setdefault((world, method), {"wall": [], "cpu": []})
+                # alternate which goes first, so a drift in the machine's load favours neither
+                for label, checkout, method in variants if round_ % 2 else variants[::-1]:
+                    wall, cpu = launch(run_dir, world, method, args.steps, args.extra, checkout)
+                    runs = figures.setdefault((world, label), {"wall": [], "cpu": []})
                     runs["wall"].append(wall)
                     runs["cpu"].append(cpu)
-                    print(f"round {round_}  world {world}  {method:10s}  wall {wall:6.2f} s  cpu {cpu:6.2f} s",
+                    print(f"round {round_}  world {world}  {label:14s}  wall {wall:6.2f} s  cpu {cpu:6.2f} s",
                           flush=True)
+    baseline = variants[0][0]
     print(f"\n{args.steps}-step tiny run, {args.rounds} rounds, medians (range), seconds:\n")
-    print("| world | start method | wall | CPU (all processes) | CPU / spawn's |")
+    compared = "checkout" if args.against else "start method"
+    print(f"| world | {compared} | wall | CPU (all processes) | CPU / {baseline}'s |")
     print("|---|---|---|---|---|")
     for world in args.worlds:
-        spawn_cpu = statistics.median(figures[(world, "spawn")]["cpu"])
-        for method in METHODS:
-            runs = figures[(world, method)]
-            ratio = statistics.median(runs["cpu"]) / spawn_cpu
-            print(f"| {world} | {method} | {summary(runs['wall'])} | {summary(runs['cpu'])} | {ratio:.2f} |")
+        base_cpu = statistics.median(figures[(world, baseline)]["cpu"])
+        for label, _, _ in variants:
+            runs = figures[(world, label)]
+            ratio = statistics.median(runs["cpu"]) / base_cpu
+            print(f"| {world} | {label} | {summary(runs['wall'])} | {summary(runs['cpu'])} | {ratio:.2f} |")
     return 0
 
 

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 import trainer
 from trainer.errors import Stopped, UserError, WorkerFailed
+from trainer.process.collector import collector_paused
 from trainer.process.streams import survive_closed_readers
 
 # name -> one-line help. Each command is trainer.commands.<name>.cmd_<name>(argv).
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"unknown command {name!r}; commands: {', '.join(COMMANDS)} (see dtrain --help)")
     try:
         # the command's module, and so its dependencies, only when that command runs
-        command = getattr(importlib.import_module(f"trainer.commands.{name}"), f"cmd_{name}")
+        with collector_paused():
+            command = getattr(importlib.import_module(f"trainer.commands.{name}"), f"cmd_{name}")
         command(argv[1:])
     except UserError as err:
         fail(str(err))

@@ -50,6 +50,7 @@ from trainer.launch.sweep import finish_sweep, holding_sweep_dir, pin_sweep_dir,
 from trainer.preflight.claim import check_sweep_point, check_torchrun_rank, claim_run
 from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
+from trainer.process.collector import collector_paused
 from trainer.process.env import CONTINUE_COMMAND_ENV, is_secondary_rank, under_torchrun
 
 # Under plain torchrun only rank 0 writes the run directory; the config that counts is rank 0's,
@@ -187,8 +188,9 @@ def fit(cfg, run_dir: Path) -> dict:
     """Fit a claimed run with cfg in run_dir on the requested workers; returns rank 0's figures.
     Under plain torchrun this process is one of the workers, and rank 0's claims the run."""
     # the torch side of dtrain: imported once the checks have passed
-    from trainer.fit.worker import torchrun_main, worker_main
-    from trainer.launch.workers import run_workers
+    with collector_paused():
+        from trainer.fit.worker import torchrun_main, worker_main
+        from trainer.launch.workers import run_workers
 
     cfg_dict = to_dict(cfg)
     if under_torchrun():

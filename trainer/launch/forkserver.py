@@ -16,15 +16,16 @@ it (release), which would otherwise keep the forkserver, and so the workers, ali
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver
 
-# What every training worker imports before its first step; the entrypoint's module and
-# worker_process's are added per launch.
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing.api", "trainer.launch.workers")
+# What the forkserver imports first: what every training worker imports before its first step, with
+# the garbage collector paused. The entrypoint's module follows per launch, still paused.
+PRELOAD = "trainer.launch.preload"
 
 # A process whose cmdline holds this is a forkserver (its forked workers carry the same cmdline).
 FORKSERVER_CMDLINE = b"multiprocessing.forkserver"
@@ -39,17 +40,22 @@ def forkserver_for(entrypoint: Callable) -> Iterator[None]:
     """A forkserver for one launch of `entrypoint`'s workers: started by the launch's first worker
     (inside the launch's environment and signal mask), stopped when the launch ends."""
     _stop()  # one left by an earlier launch in this process, or data preparation's pool
-    multiprocessing.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, entrypoint.__module__))))
+    multiprocessing.set_forkserver_preload([PRELOAD, entrypoint.__module__])
     try:
         yield
     finally:
         _stop()
+        multiprocessing.set_forkserver_preload([])  # a later forkserver in this process is not a launch's
 
 
 def release() -> None:
-    """In a forked worker: close its copy of the driver's end of the forkserver's pipe (multiprocessing
-    hands one to every child, so that it can start processes of its own through the same forkserver;
-    a worker that needs one starts its own)."""
+    """In a worker, first: the garbage collector on again, with everything imported so far frozen
+    (the forkserver's preload paused it; a spawned worker's was on). And in a forked worker, close
+    its copy of the driver's end of the forkserver's pipe (multiprocessing hands one to every child,
+    so that it can start processes of its own through the same forkserver; a worker that needs one
+    starts its own)."""
+    gc.freeze()
+    gc.enable()
     server = forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)

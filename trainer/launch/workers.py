@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -109,6 +110,11 @@ def run_workers(entrypoint: Callable[..., dict], args: tuple, launch: dict, worl
     return result
 
 
+# What gloo and torch say in a worker whose peer's process is gone (its sockets closed under it).
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "remote process exited")
+LOST_PEER_WAIT_S = 0.5  # several of the agent's polls (launch.monitor_interval: 0.1 s by default)
+
+
 def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     """entrypoint(*args) in a worker process that torchrun's engine started, which exits once it
     returns: its objects are frozen first, so that the interpreter's last garbage collections skip
@@ -121,6 +127,13 @@ def worker_process(entrypoint: Callable[..., dict], *args) -> dict:
     try:
         raise_injected_error()  # a testing hook (trainer.launch.worker_errors)
         return entrypoint(*args)
+    except RuntimeError as err:
+        if any(words in str(err) for words in LOST_PEER):
+            # A peer died (killed, crashed): its exit is the job's failure, this error only its echo.
+            # Torch's agent reports one failed worker, the first in rank order at its poll (every
+            # launch.monitor_interval); leaving at once can beat the dead peer to it and name this one.
+            time.sleep(LOST_PEER_WAIT_S)
+        raise
     except Stopped as stop:  # every rank saved and stopped: rank 0's result says so, for the driver
         return {"stopped_by": stop.signum}  # to exit 128+N (an exception would read as a failure)
     except UserError as err:  # any kind of user error: its one line, for the driver

@@ -28,6 +28,7 @@ from trainer.evals.hellaswag_file import check_hellaswag_file
 from trainer.preflight.checks import check_data, check_run, record_config, say_notice
 from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState
+from trainer.process.collector import collector_paused
 
 
 def claim_run(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
@@ -62,7 +63,8 @@ def check_torchrun_rank(cfg) -> None:
     """Plain torchrun: every rank's config and its layout (mode x mesh x world), checked before Hydra
     makes rank 0's run directory (rank 0 claims the run later, in its worker, after the rest)."""
     validate(cfg)
-    from trainer.preflight.torch_checks import check_layout  # torch: see _check_with_torch
+    with collector_paused():
+        from trainer.preflight.torch_checks import check_layout  # torch: see _check_with_torch
 
     check_layout(cfg, requested_world(cfg))
 
@@ -70,6 +72,7 @@ def check_torchrun_rank(cfg) -> None:
 def _check_with_torch(cfg, world: int, run_dir: Path | None) -> None:
     # torch is imported only here, once the checks that need none have passed: a user error
     # found by those arrives without waiting for torch
-    from trainer.preflight.torch_checks import check_with_torch
+    with collector_paused():
+        from trainer.preflight.torch_checks import check_with_torch
 
     check_with_torch(cfg, world, run_dir)
