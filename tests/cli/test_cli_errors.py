@@ -143,6 +143,21 @@ def test_a_user_error_arrives_before_torch_is_imported(problem, data_dir, tmp_pa
 
 
 @pytest.mark.parametrize("args,needle", [
+    (["--help"], None),
+    (["--device-memory", "lots"], "cannot read memory size 'lots'"),
+    (["train.max_steps=0"], "train.max_steps"),
+])
+def test_plan_reads_its_arguments_and_checks_the_config_before_torch(args, needle):
+    """`dtrain plan`'s help and its users' mistakes arrive at once: torch loads for the table only."""
+    proc = subprocess.run([sys.executable, "-c", CHECK_WITHOUT_TORCH, "plan", *args], cwd=REPO, capture_output=True,
+                          text=True, env=dtrain_env(), timeout=120)
+    if needle is None:
+        assert "usage: dtrain plan" in proc.stdout and "exit 0 no torch" in proc.stderr, proc.stderr
+        return
+    assert needle in proc.stderr and "exit 2 no torch" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
     (["train.compile_mode=fast"], "train.compile_mode='fast' is unknown"),
     (["train.compile_mode=reduce-overhead"], "needs train.compile=true"),
     (["train.loss_chunks=0"], "train.loss_chunks=0 must be at least 1"),

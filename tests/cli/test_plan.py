@@ -11,7 +11,8 @@ from helpers.dtrain import REPO, dtrain_env, run_dtrain
 
 from trainer.config.compose import compose
 from trainer.config.schema import to_dict
-from trainer.plan.memory import estimate, largest_micro_batch, parse_size
+from trainer.plan.memory import estimate, largest_micro_batch
+from trainer.plan.sizes import parse_size
 
 # Two model sizes whose peaks differ in make-up: tiny (3.3M params, nearly all embedding; the
 # language-model head's activations dominate) and an 8-layer 128-wide model (blocks count too).

@@ -41,7 +41,8 @@ from trainer.model.loss import resolve_loss_kernel
 from trainer.optim.registry import check_args, states_of
 from trainer.parallel import strategy_class
 from trainer.parallel.base import compute_dtype
-from trainer.plan.memory import checkpoint_bytes, fmt_bytes, host_memory, model_state_floor
+from trainer.plan.memory import checkpoint_bytes, host_memory, model_state_floor
+from trainer.plan.sizes import fmt_bytes
 from trainer.process.runtime import pick_device
 
 # WANDB_MODE values under which a W&B run needs no credentials.
