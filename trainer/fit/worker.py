@@ -25,6 +25,7 @@ from trainer.fit.loop import Trainer
 from trainer.parallel import strategy_class
 from trainer.preflight.claim import claim_run
 from trainer.preflight.rundir import RunDirLock, RunDirState, finished_message
+from trainer.process.collector import collector_paused
 from trainer.process.hang_watch import flight_recorder_env
 from trainer.process.runtime import Runtime, init_runtime, pick_device
 from trainer.process.signals import StopSignals
@@ -69,6 +70,11 @@ def _this_rank(cfg_dict: dict, run_dir: Path) -> Iterator[tuple[DictConfig, Runt
     # First of all: a stop signal or the launcher's death while the process group comes up is
     # already handled (see trainer.process.signals).
     stop = StopSignals(int(os.environ.get("RANK", 0))).install()
+    with collector_paused():
+        # Building any torch.optim optimizer imports torch._dynamo (docs/performance.md, "Start-up"):
+        # here first, with the collector paused, where no forkserver imported it already (one
+        # process in the driver, spawned workers, plain torchrun). The driver of workers never needs it.
+        import torch._dynamo  # noqa: F401
     cfg = from_dict(cfg_dict)
     if pick_device(cfg.train.device, 0).type == "cuda":
         os.environ.update(flight_recorder_env(run_dir))  # before the process group reads them
