@@ -16,12 +16,13 @@ it (release), which would otherwise keep the forkserver, and so the workers, ali
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver
+
+from trainer.process.collector import resume_collector
 
 # What the forkserver imports first: what every training worker imports before its first step, with
 # the garbage collector paused. The entrypoint's module follows per launch, still paused.
@@ -54,8 +55,7 @@ def release() -> None:
     its copy of the driver's end of the forkserver's pipe (multiprocessing hands one to every child,
     so that it can start processes of its own through the same forkserver; a worker that needs one
     starts its own)."""
-    gc.freeze()
-    gc.enable()
+    resume_collector()
     server = forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)

@@ -26,3 +26,10 @@ def collector_paused() -> Iterator[None]:
         gc.freeze()
         if was_on:
             gc.enable()
+
+
+def resume_collector() -> None:
+    """The end of a pause begun elsewhere (a forkserver's preload, before the fork): everything alive
+    frozen, then the collector on."""
+    gc.freeze()
+    gc.enable()
