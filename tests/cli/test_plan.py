@@ -126,6 +126,10 @@ def test_plan_command_prints_every_mode():
     for mode in ("none", "dp", "ddp", "zero", "zero_torch", "fsdp *", "hsdp"):
         assert f" {mode} " in proc.stdout, proc.stdout
     assert "max micro batch" in proc.stdout and "8.00 GiB" in proc.stdout
+    out = " ".join(proc.stdout.split())
+    # each mode's description whole, though its module doc wraps it over two lines
+    assert "with parallel.tp > 1, one model split over the tensor-parallel ranks" in out, out
+    assert "ZeroRedundancyOptimizer (each rank keeps the optimizer's state for whole parameters)." in out, out
 
 
 @pytest.mark.parametrize("args,needle", [

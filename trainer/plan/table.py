@@ -42,9 +42,10 @@ def _least_to_most_sharded(strategy: type[Strategy]) -> tuple:
 
 
 def _summary(strategy: type[Strategy]) -> str:
-    """The first line of the mode's module doc ("parallel=zero: DDP plus ZeRO stage 1 (...)")."""
-    doc = (sys.modules[strategy.__module__].__doc__ or strategy.name).strip().splitlines()[0]
-    return doc.removeprefix("parallel=")
+    """The first paragraph of the mode's module doc ("parallel=zero: DDP plus ZeRO stage 1 (...)"),
+    on one line: a sentence wrapped in the source is still one sentence."""
+    doc = (sys.modules[strategy.__module__].__doc__ or strategy.name).strip().split("\n\n")[0]
+    return " ".join(doc.split()).removeprefix("parallel=")
 
 
 def _ranks(cfg, strategy: type[Strategy], world: int) -> int:
