@@ -74,8 +74,10 @@ def shared_run(data_dir, tmp_path_factory):
     root = session_folder(tmp_path_factory)
 
     def train(run_dir: Path, args: tuple[str, ...]) -> None:
-        stdout = run_dtrain(tiny_args(data_dir, run_dir, *args), check=True).stdout
-        run_dir.with_suffix(".stdout").write_text(stdout)  # beside the run dir, which holds the run's own files only
+        proc = run_dtrain(tiny_args(data_dir, run_dir, *args), check=True)
+        # beside the run dir, which holds the run's own files only
+        run_dir.with_suffix(".stdout").write_text(proc.stdout)
+        run_dir.with_suffix(".stderr").write_text(proc.stderr)
 
     def get(*args: str) -> tuple[Path, str]:
         run_dir = made_once(root / folder_name(*args), lambda folder: train(folder, args))

@@ -7,6 +7,8 @@ launched through torchrun's engine by `dtrain train`.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from helpers.dtrain import train_losses
 from helpers.runs import REFERENCE_BATCH, REFERENCE_STEPS, on_reference_steps
@@ -49,3 +51,12 @@ def test_losses_match_single_process(case, shared_run, adamw_reference):
     losses = train(shared_run, CASES[case])
     worst = max(abs(losses[s] - adamw_reference[s]) for s in adamw_reference)
     assert worst < 1e-5, f"{case}: max |loss - single| = {worst:.3g}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in SLOW])
+def test_a_mode_prints_no_library_warning(case, shared_run):
+    """What a user sees of a run in each mode holds dtrain's lines only: no torch FutureWarning
+    (torch 2.13 deprecates names the floor torch still needs: trainer/parallel/collectives.py)."""
+    run_dir, stdout = shared_run(*REFERENCE_BATCH, *CASES[case])
+    output = stdout + run_dir.with_suffix(".stderr").read_text()
+    assert not re.findall(r"^.*\b\w*Warning\b.*$", output, re.M), output

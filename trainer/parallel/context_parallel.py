@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.nn.attention.bias import causal_lower_right
 
 from trainer.model.layers import AttentionCall
-
-# torch 2.13 renamed the differentiable all-gather (the old name warns); the floor torch has only the old.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from trainer.parallel.collectives import all_gather_single, functional_all_gather_autograd
 
 
 class SequenceSplit:
@@ -70,7 +66,7 @@ class SequenceSplit:
     def _whole_sequence(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of every position in order, from each rank's (B, kv_heads, 2c, head_dim)."""
         local = torch.stack((k, v))  # one collective for both
-        gathered = _all_gather_autograd(local.contiguous(), gather_dim=0, group=self.group)
+        gathered = functional_all_gather_autograd(local.contiguous(), gather_dim=0, group=self.group)
         # (size, 2, B, H, 2, c, D): rank i holds chunks i and 2 x size - 1 - i
         gathered = gathered.unflatten(0, (self.size, 2)).unflatten(4, (2, -1))
         early = gathered[:, :, :, :, 0]  # chunks 0 .. size - 1, one per rank in rank order
@@ -83,7 +79,7 @@ class SequenceSplit:
         """(B, 2c) values of this rank's tokens -> (B, T) of every token in sequence order, on every
         rank of the group (validation's per-token losses; no gradient)."""
         gathered = per_token.new_empty((self.size * per_token.shape[0], per_token.shape[1]))
-        _all_gather(gathered, per_token.contiguous(), group=self.group)
+        all_gather_single(gathered, per_token.contiguous(), group=self.group)
         gathered = gathered.unflatten(0, (self.size, -1)).unflatten(2, (2, -1))  # (size, B, 2, c)
         early, late = gathered[:, :, 0], gathered[:, :, 1].flip(0)
         return torch.cat((early, late)).permute(1, 0, 2).flatten(1)

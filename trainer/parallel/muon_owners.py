@@ -46,6 +46,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from trainer.optim.build import MatrixRun
 from trainer.parallel.base import load_indexed_state, row_range
+from trainer.parallel.collectives import all_gather_single
 from trainer.parallel.tensor_parallel import group_rows, ungroup_rows
 
 
@@ -164,7 +165,7 @@ class OwnedMuon:
             send[offset: offset + n] = mine[i].reshape(-1)
             offset += n
         gathered = send.new_empty(self.world * width)  # gloo takes the concatenated form only
-        dist.all_gather_into_tensor(gathered, send, group=self.process_group)
+        all_gather_single(gathered, send, group=self.process_group)
         gathered = gathered.view(self.world, width)
         out = {}
         for r, idx in enumerate(owned):

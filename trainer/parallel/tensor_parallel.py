@@ -39,9 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from trainer.model.gpt import GPT
-
-# torch 2.13 renamed the functional all-gather (the old name warns); the floor torch has only the old.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+from trainer.parallel.collectives import functional_all_gather
 
 
 def fused_parts(model: GPT) -> dict[str, tuple[int, ...]]:
@@ -109,7 +107,7 @@ class SequenceShards:
     def whole(self, per_token: torch.Tensor) -> torch.Tensor:
         """(B, T / tp) values of this rank's positions -> (B, T) of every position, on every rank
         (validation's per-token losses; no gradient)."""
-        return _all_gather(per_token.contiguous(), gather_dim=1, group=self.group)
+        return functional_all_gather(per_token.contiguous(), gather_dim=1, group=self.group)
 
 
 class _RowwiseToPositions(RowwiseParallel):

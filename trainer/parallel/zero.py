@@ -12,7 +12,6 @@ one broadcast per parameter.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -20,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from trainer.optim.build import parts
 from trainer.optim.registry import empty_state
 from trainer.parallel.base import load_indexed_state, row_range, row_shard_numel
+from trainer.parallel.collectives import all_gather_single
 from trainer.parallel.ddp import DDPStrategy
 from trainer.parallel.muon_owners import OwnedMuon, busiest_owner_numel
 
@@ -95,7 +95,7 @@ class ZeroOptimizer:
         padding = mine[0].new_zeros(bucket.width - sum(t.numel() for t in mine))
         send = torch.cat([*mine, padding])
         gathered = send.new_empty(self.world * bucket.width)  # gloo takes the concatenated form only
-        work = dist.all_gather_into_tensor(gathered, send, async_op=True)
+        work = all_gather_single(gathered, send, async_op=True)
         return work, gathered.view(self.world, bucket.width)
 
     def _copy_in_rows(self, bucket: _Bucket, gathered: torch.Tensor) -> None:
