@@ -15,7 +15,7 @@ TEST_EXTRAS := dev,test,plot,stats,tensorboard,export,harness,wandb,mlflow,optun
 SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.val_interval=3 train.val_tokens=512 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
-.PHONY: help setup setup-test setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu chaos
+.PHONY: help setup setup-test setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu gpu-bundle chaos
 
 help: ## list every target with one line each
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -99,6 +99,9 @@ bench: setup ## tokens/s, step-time split and memory per rank for each parallel 
 
 bench-gpu: setup ## dtrain vs a bare loop on one GPU, Muon, Lion, a mixture, memory vs plan, every mode at world 1 (<= 8 min; exit 2 without CUDA)
 	$(PY) scripts/bench_gpu.py $(ARGS)
+
+gpu-bundle: setup ## .whl/ and .device/: the wheels, vocabulary and data a GPU machine without network needs for scripts/gpu_session.sh
+	PY=$(PY) bash scripts/gpu_bundle.sh
 
 IMAGE ?= dtrain:0.1.0
 TORCH_VARIANT ?= cpu

@@ -25,6 +25,9 @@ Rows (one that no longer fits the budget is listed as skipped; cheap ones first)
 * choices: the settings whose defaults this benchmark chooses, each against dtrain's default step
   of the same model and micro batch: `train.compile_mode=reduce-overhead` (CUDA graphs) and
   `train.loss_chunks=4` (ms per step, allocator peak, loss after the same steps).
+* watch (scripts/benchmarks/watch.py): what the on-by-default watching costs: a straggler-sampled
+  step (under the profiler) against an unsampled one, and NCCL's flight recorder on against off
+  (parallel=ddp at world 1, fresh processes each).
 * kernels (scripts/benchmarks/kernels.py, last: the longest): train.loss_kernel plain/chunked/fused,
   model.attention's SDPA kernels, train.float8 off/tensorwise/rowwise/auto on gpt2_124m, llama_135m
   and llama3_1b, each trained 100 steps against its group's baseline (tokens/s, MFU, peak memory, the
@@ -60,6 +63,7 @@ from benchmarks.bare import BareLoop  # noqa: E402
 from benchmarks.harness import step_bookkeeping, sync  # noqa: E402
 from benchmarks.kernels import kernel_rows  # noqa: E402
 from benchmarks.memory import PeakMemory  # noqa: E402
+from benchmarks.watch import flight_recorder, straggler_sample  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -77,7 +81,7 @@ BATCHES = {"full": (16, 32, 64), "tiny": (2, 4, 8)}
 SEQ = {"full": 1024, "tiny": 64}
 # The settings whose defaults this benchmark chooses (trainer/config/schema.py TrainConfig), tried one at a time.
 CHOICES = ("train.compile_mode=reduce-overhead", "train.loss_chunks=4")
-SECTIONS = ("memory", "modes", "throughput", "muon", "lion", "mixture", "choices", "kernels")
+SECTIONS = ("memory", "modes", "throughput", "muon", "lion", "mixture", "choices", "watch", "kernels")
 # The mixture row's sources (--mix): the default dataset and tinyshakespeare, prepared when missing.
 MIX = "shakespeare:0.7,tinyshakespeare:0.3"
 
@@ -189,6 +193,10 @@ class Bench:
                 for choice in (c for c in CHOICES if self.compile or "compile_mode" not in c):  # needs compile
                     self.guarded("choices", f"{models[0]} B={mid} {choice}",
                                  lambda c=choice: self.choice(models[0], mid, c), took / 2)
+                self.guarded("watch", f"{models[0]} B={mid} straggler sample",
+                             lambda: straggler_sample(self, models[0], mid), took / 2)
+                self.guarded("watch", f"{models[0]} B={batches[0]} flight recorder",
+                             lambda: flight_recorder(self, models[0], batches[0]), took / 2)
         if "kernels" in self.args.sections:
             kernel_rows(self)
         return self.rows

@@ -31,6 +31,26 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2():
     assert proc.returncode == 2 and len(lines) == 1 and "no CUDA device visible" in lines[0], proc.stderr
 
 
+def test_gpu_session_checks_its_steps_then_its_bundle_before_anything(tmp_path):
+    """scripts/gpu_session.sh (a lent GPU's checks): an unknown step, then a missing `make gpu-bundle`,
+    each one line and exit 2, before it installs or writes anything."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "gpu_session.sh", tmp_path / "scripts")
+    out = tmp_path / "out"
+
+    def session(*steps):
+        return subprocess.run(["bash", str(tmp_path / "scripts" / "gpu_session.sh"), *steps], capture_output=True,
+                              text=True, env={**dtrain_env(), "OUT": str(out)}, timeout=60)
+
+    proc = session("tests", "benchmark")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: unknown step benchmark; the steps are tests, bench[:SECTIONS[:BUDGET_S]] and train"], proc.stderr
+    proc = session("tests", "bench:watch:60")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: .whl is missing: run make gpu-bundle here, then carry .whl and .device"], proc.stderr
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
     out, data = tmp_path / "rows.json", tmp_path / "data"
@@ -44,7 +64,13 @@ def test_tiny_cpu_run_prints_every_section(data_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["section"] for r in rows} == {"throughput", "muon", "lion", "mixture", "memory", "modes", "choices",
-                                            "kernels"}
+                                            "watch", "kernels"}
+    sample, recorder = [r for r in rows if r["section"] == "watch"]
+    assert sample["case"] == "tiny B=4 straggler sample" and sample["figures"]["first_ms"] > 0, sample
+    assert sample["figures"]["ms"] > 0 and sample["figures"]["default_ms"] > 0, sample
+    # fresh processes on gloo, which keeps no flight record: the code runs, nothing is recorded
+    assert "(gloo, which has no recorder) flight recorder" in recorder["case"], recorder
+    assert [f["entries"] for f in recorder["figures"]["on"] + recorder["figures"]["off"]] == [0] * 4, recorder
     for section in ("muon", "lion", "mixture"):  # each against AdamW's step on one dataset
         (row,) = [r for r in rows if r["section"] == section]
         assert row["figures"]["ms"] > 0 and row["figures"]["default_ms"] > 0, row
