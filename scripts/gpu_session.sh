@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# What a session runs on a lent GPU machine, in one call of the device tool (its 15 minutes are all a
-# task gets, the machine's start included), after `make gpu-bundle` here:
+# What a session runs on a lent GPU machine through the device tool, after `make gpu-bundle` here. A
+# lease is 15 minutes with the machine's start and the idle time between calls: about 12 for commands.
 #
-#   run(command="bash scripts/gpu_session.sh tests bench:throughput,modes,choices,watch,memory:420",
-#       carry=[".whl", ".device"], timeout_s=590)
-#   run(command="bash scripts/gpu_session.sh bench:kernels:300 train", ...)   # with the minutes left
+#   run(command="bash scripts/gpu_session.sh tests bench:memory,throughput,choices,watch:380",
+#       carry=[".whl", ".device"], timeout_s=540)                                  # about 8 minutes
+#   run(command="bash scripts/gpu_session.sh bench:kernels:200", carry=[...])      # with what is left
 #
 # Steps, in the order given; everything printed also goes to $OUT/session.log, and each bench step's
 # rows to $OUT/bench_<sections>.json (what comes back: at most 8 files, named in [A-Za-z0-9._-]):
