@@ -3,12 +3,14 @@ as one `error:` line naming the fix, exit code 2, no traceback and no run direct
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from helpers.errors import assert_nothing_written, assert_user_error
 from omegaconf import OmegaConf
 
 from trainer.config.compose import compose
-from trainer.config.schema import to_dict
+from trainer.config.schema import GROUP_SCHEMAS, Config, to_dict
 from trainer.config.validation import RANGES, check_ranges, validate
 from trainer.config.vocab import TOKENIZER_VOCAB_SIZE
 from trainer.errors import ConfigError, UserError
@@ -72,6 +74,7 @@ def data_dir(gpt2_data_dir):
         (["checkpoint.keep=0"], ["checkpoint.keep=0 must be at least 1"]),
         (["checkpoint.interval=-1"], ["checkpoint.interval=-1 must be at least 0"]),
         (["model.n_head=0"], ["model.n_head=0 must be at least 1"]),  # was a ZeroDivisionError
+        (["parallel.tp=0"], ["parallel.tp=0 must be at least 1", "parallel.tp=1"]),  # was a ZeroDivisionError too
         (["model=llama_tiny", "model.n_kv_head=3"], ["model.n_kv_head=3 must divide model.n_head=4"]),
         (["model.pos=rope", "model.n_head=8", "model.n_embd=24"], ["model.pos=rope rotates pairs", "an odd number"]),
         (["world=0"], ["world=0 must be at least 1"]),
@@ -289,6 +292,58 @@ def test_block_options_are_checked(override, needle):
     with pytest.raises(ConfigError, match=None) as err:
         validate(compose(["model=llama_tiny", override]))
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["parallel.cp=0"], "parallel.cp=0 must be at least 1; e.g. parallel.cp=1"),
+    (["parallel.ep=-1"], "parallel.ep=-1 must be at least 1; e.g. parallel.ep=1"),
+    (["parallel=hsdp", "parallel.dp_replicate=0"], "parallel.dp_replicate=0 must be at least 1"),
+    # a negative weight rewards the routers for unbalanced routing: trained without a word, before
+    (["model=qwen3_moe_tiny", "model.moe.aux_loss_coef=-0.01"], "model.moe.aux_loss_coef=-0.01 is negative"),
+    # no layer would be MoE: a dense model trained under a MoE preset's name, before
+    (["model=qwen3_moe_tiny", "model.moe.every=3"], "model.moe.every=3 makes no layer of model.n_layer=2 a mixture"),
+])
+def test_mesh_and_expert_values_are_checked(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides))
+    assert needle in str(err.value)
+
+
+def _numeric_keys(cls, prefix: str = ""):
+    """The dotted names of a schema dataclass's int and float fields (optional ones and lists of them too)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kinds = [a for a in typing.get_args(hints[field.name]) if a is not type(None)] or [hints[field.name]]
+        if dataclasses.is_dataclass(kinds[0]):
+            yield from _numeric_keys(kinds[0], f"{prefix}{field.name}.")
+        elif kinds[0] in (int, float):
+            yield prefix + field.name
+
+
+# Numeric keys a check other than RANGES bounds, and where: with RANGES, every number a user can set.
+BOUNDED_ELSEWHERE = {
+    "model.vocab_size": "validation.check_ranges: at least the tokenizer's ids",
+    "model.moe.num_experts": "model_checks.check_moe", "model.moe.top_k": "model_checks.check_moe",
+    "model.moe.num_shared_experts": "model_checks.check_moe", "model.moe.expert_hidden": "model_checks.check_moe",
+    "model.moe.every": "model_checks.check_moe", "model.moe.aux_loss_coef": "model_checks.check_moe",
+    "optim.betas": "validation: two numbers in [0, 1)", "optim.min_lr": "validation: in [0, optim.lr]",
+    "tokenizer.vocab_size": "commands/tokenizer.py: dtrain tokenizer train's bounds (training ignores it)",
+    "data.tokenizer.vocab_size": "the same key inside a data preset",
+    "train.eval_interval": "keys.py: the old name of train.val_interval",
+    "train.eval_batches": "keys.py: the old name of train.val_batches",
+    "eval.interval": "keys.py: the old name of eval.hellaswag.interval",
+}
+
+
+def test_every_numeric_key_is_bounded():
+    """A number a user can set is range-checked (RANGES) or bounded by a named check: parallel.tp=0 was
+    a ZeroDivisionError and model.moe.aux_loss_coef=-1 trained, before either was."""
+    keys = set(_numeric_keys(Config))
+    for section, schema in GROUP_SCHEMAS.items():
+        keys |= {f"{section}.{key}" for key in _numeric_keys(schema)}
+    assert not keys - set(RANGES) - set(BOUNDED_ELSEWHERE), "give these a range in RANGES or a check"
+    assert not set(BOUNDED_ELSEWHERE) & set(RANGES)
+    assert set(BOUNDED_ELSEWHERE) <= keys  # no stale entries
 
 
 def test_head_dim_frees_the_width_from_the_heads():

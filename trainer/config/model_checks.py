@@ -54,8 +54,15 @@ def check_moe(m: DictConfig) -> None:
         raise ConfigError(f"model.moe.expert_hidden={moe.expert_hidden} must be 1 or more (or null)")
     if moe.every < 1:
         raise ConfigError(f"model.moe.every={moe.every} must be 1 or more (1: every layer is MoE)")
+    if moe.aux_loss_coef < 0:  # a negative weight would reward the routers for sending every token to a few experts
+        raise ConfigError(f"model.moe.aux_loss_coef={moe.aux_loss_coef} is negative, which rewards unbalanced "
+                          "routing; give 0 (no load-balancing loss) or more (e.g. 0.001)")
     if moe.num_experts == 0:
         return
+    if moe.every > m.n_layer:
+        raise ConfigError(f"model.moe.every={moe.every} makes no layer of model.n_layer={m.n_layer} a mixture of "
+                          "experts (layer i is one when (i + 1) % every == 0): the model would be dense; use "
+                          f"model.moe.every={m.n_layer} or less, or model.moe.num_experts=0 for a dense model")
     if not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts="
                           f"{moe.num_experts}; choose a top_k within that range")
