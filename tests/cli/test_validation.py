@@ -80,6 +80,10 @@ def data_dir(gpt2_data_dir):
         (["world=0"], ["world=0 must be at least 1"]),
         # two replicas that never synchronise would train two unrelated models
         (["parallel=none", "world=2"], ["parallel=none does not synchronise gradients", "use parallel=ddp"]),
+        # the count the user gave, not the replicas it makes (it said world=2 for world=4, before)
+        (["model=llama_tiny", "parallel=none", "parallel.tp=2", "world=4"],
+         ["so world=4 over groups of 2 (parallel.cp x parallel.tp) would train 2 unrelated copies",
+          "use world=2 for one model over those ranks, or parallel=fsdp for 2 synchronised copies"]),
         # Hydra's override lexer refuses unquoted non-ASCII characters with a bare lexer error
         (["data.dir=/tmp/日本"], ["has non-ASCII characters", "quote the value: 'data.dir=\"/tmp/日本\"'"]),
     ],

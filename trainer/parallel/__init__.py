@@ -62,5 +62,5 @@ def make_strategy(parallel_cfg, train_cfg, runtime, training: bool = True) -> St
     replicas (evaluation), where a mode such as parallel=none may run at world > 1."""
     cls = STRATEGIES[parallel_cfg.mode]
     cls.check_mesh(runtime.shape)
-    cls.check_world(runtime.dp_world, training=training)
+    cls.check_world(runtime.dp_world, training=training, model_parallel=runtime.shape.model_parallel)
     return cls(parallel_cfg, train_cfg, runtime)

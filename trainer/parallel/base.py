@@ -75,8 +75,9 @@ class Strategy:
         self._data_parallel_mesh = None
 
     @classmethod
-    def check_world(cls, world: int, training: bool = True) -> None:
-        """Refuse a worker count this mode cannot run on (one line, before anything starts).
+    def check_world(cls, world: int, training: bool = True, model_parallel: int = 1) -> None:
+        """Refuse a worker count this mode cannot run on (one line, before anything starts). `world`
+        counts data-parallel replicas; `model_parallel` is the ranks each one spans (cp x tp).
 
         `training=False` is for work where each worker needs only its own full replica (`dtrain
         eval` scores its share of the examples): a mode that does not sync replicas runs there at
@@ -86,6 +87,13 @@ class Strategy:
             raise ConfigError(
                 f"parallel={cls.name} drives every GPU from one process and cannot run under a multi-process "
                 f"launch; use parallel=ddp for several workers, or world=1 with parallel={cls.name}"
+            )
+        if training and world > 1 and not cls.syncs_replicas and model_parallel > 1:
+            raise ConfigError(
+                f"parallel={cls.name} does not synchronise gradients, so world={world * model_parallel} over "
+                f"groups of {model_parallel} (parallel.cp x parallel.tp) would train {world} unrelated copies of "
+                f"the model; use world={model_parallel} for one model over those ranks, or parallel=fsdp for "
+                f"{world} synchronised copies"
             )
         if training and world > 1 and not cls.syncs_replicas:
             raise ConfigError(

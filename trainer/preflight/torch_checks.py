@@ -85,7 +85,7 @@ def check_layout(cfg, world: int):
     shape = mesh_shape(cfg, world)
     strategy.check_mesh(shape)
     # Replicas are counted along data parallelism: a tensor-parallel group trains one model.
-    strategy.check_world(shape.dp_world)
+    strategy.check_world(shape.dp_world, model_parallel=shape.model_parallel)
     return strategy, shape
 
 
