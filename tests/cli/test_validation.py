@@ -300,6 +300,8 @@ def test_block_options_are_checked(override, needle):
 
 @pytest.mark.parametrize(("overrides", "needle"), [
     (["parallel.cp=0"], "parallel.cp=0 must be at least 1; e.g. parallel.cp=1"),
+    # a limit shorter than a step named every healthy run's first step a hang
+    (["launch.hang_timeout_s=0.001"], "launch.hang_timeout_s=0.001 must be 0 (no hang watch) or at least 1 (seconds)"),
     (["parallel.ep=-1"], "parallel.ep=-1 must be at least 1; e.g. parallel.ep=1"),
     (["parallel=hsdp", "parallel.dp_replicate=0"], "parallel.dp_replicate=0 must be at least 1"),
     # a negative weight rewards the routers for unbalanced routing: trained without a word, before

@@ -94,7 +94,8 @@ RANGES = {
     "launch.max_restarts": _at_least(0),
     "launch.monitor_interval": _positive(),
     "launch.timeout_s": _at_least(1),
-    "launch.hang_timeout_s": _at_least(0),  # 0 = no hang watch
+    # 0 = no hang watch; under a second the watch (it looks every 0.25 s) would call an ordinary step a hang
+    "launch.hang_timeout_s": (lambda v: v == 0 or v >= 1, "0 (no hang watch) or at least 1 (seconds)"),
     "train.straggler_ratio": (lambda v: v == 0 or v > 1,
                               "0 (off) or above 1 (a rank's time over the other ranks' median)"),
     "train.straggler_every": _at_least(1),
