@@ -9,7 +9,7 @@ from helpers.dtrain import run_dtrain, tiny_args, train_losses
 from helpers.errors import assert_user_error
 from omegaconf import OmegaConf
 
-from trainer.optim.schedule import lr_at
+from trainer.optim.schedule import lr_at, warmup_notice
 
 
 def schedule(name: str, **extra) -> OmegaConf:
@@ -52,6 +52,17 @@ def test_bad_schedule_values_are_one_line_and_nothing_is_written(data_dir, tmp_p
                       if "decay" in override else tiny_args(data_dir, run_dir, override))
     assert_user_error(proc, needle)
     assert not run_dir.exists()
+
+
+def test_a_warmup_that_fills_the_run_is_said_and_the_run_trains(data_dir, tmp_path):
+    """A recipe's warmup kept for a short run: the rate never reaches optim.lr nor decays. It trains,
+    as asked, with one line saying so (training under 1% of the rate went unsaid, before)."""
+    assert warmup_notice(schedule("cosine"), 11) is None  # the warmup ends before the last step
+    run_dir = tmp_path / "run"
+    proc = run_dtrain(tiny_args(data_dir, run_dir, "train.max_steps=3", "optim.warmup_steps=300"), check=True)
+    assert ("dtrain: optim.warmup_steps=300 is not below train.max_steps=3: the whole run warms up, its learning "
+            "rate reaching 6.00e-06 (1% of optim.lr) at the last step") in " ".join(proc.stderr.split()), proc.stderr
+    assert sorted(train_losses(run_dir)) == [1, 2, 3]
 
 
 # 10 steps: the warmup (2), the stable phase (indices 2-4) and the decay (5-9), each a few steps

@@ -33,6 +33,19 @@ def lr_at(step: int, optim_cfg, max_steps: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
+def warmup_notice(optim_cfg, max_steps: int) -> str | None:
+    """A word when the warmup fills the whole run (optim.warmup_steps >= train.max_steps): the rate
+    climbs until the last step and never decays, what a short run cut from a longer recipe's
+    warmup does unawares. None otherwise."""
+    warmup = optim_cfg.warmup_steps
+    if warmup < max_steps:
+        return None
+    last = lr_at(max_steps - 1, optim_cfg, max_steps)
+    return (f"optim.warmup_steps={warmup} is not below train.max_steps={max_steps}: the whole run warms up, its "
+            f"learning rate reaching {last:.2e} ({last / optim_cfg.lr:.0%} of optim.lr) at the last step and never "
+            f"decaying; for a run this short lower optim.warmup_steps (e.g. {max(1, max_steps // 10)})")
+
+
 def set_lr(optimizer, lr: float) -> None:
     """The scheduled lr on every group (Muon's scaled by its lr_scale)."""
     for group in optimizer.param_groups:

@@ -25,6 +25,7 @@ from pathlib import Path
 from trainer.config.batch import requested_world
 from trainer.config.validation import validate
 from trainer.evals.hellaswag_file import check_hellaswag_file
+from trainer.optim.schedule import warmup_notice
 from trainer.preflight.checks import check_data, check_run, record_config, say_notice
 from trainer.preflight.run_tokenizer import pin_run_tokenizer
 from trainer.preflight.rundir import RunDirLock, RunDirState
@@ -45,6 +46,9 @@ def claim_run(cfg, run_dir: Path, world: int, lock: RunDirLock) -> RunDirState:
     record_config(cfg, run_dir, pin)
     if pin is not None:
         say_notice(pin.note)
+    notice = warmup_notice(cfg.optim, cfg.train.max_steps)
+    if notice:
+        say_notice(notice)
     return state
 
 
