@@ -96,7 +96,7 @@ def test_run_dir_with_another_runs_outputs_is_left_alone(data_dir, tmp_path):
 def test_sharding_modes_at_world_one_warn_but_run(data_dir, tmp_path):
     proc = run_dtrain(tiny_args(data_dir, tmp_path / "run", "parallel=fsdp", "train.max_steps=2"))
     assert proc.returncode == 0, proc.stderr
-    assert "shards nothing" in proc.stderr
+    assert "dtrain: parallel=fsdp with world=1 shards nothing" in " ".join(proc.stderr.split()), proc.stderr
 
 
 @pytest.mark.slow

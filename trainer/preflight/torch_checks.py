@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from torch.nn.attention import sdpa_kernel
 
 from trainer.checkpoint.layout import latest_checkpoint, resolve_checkpoint
@@ -43,6 +42,7 @@ from trainer.parallel import strategy_class
 from trainer.parallel.base import compute_dtype
 from trainer.plan.memory import checkpoint_bytes, host_memory, model_state_floor
 from trainer.plan.sizes import fmt_bytes
+from trainer.preflight.checks import say_notice
 from trainer.process.runtime import pick_device
 
 # WANDB_MODE values under which a W&B run needs no credentials.
@@ -75,7 +75,7 @@ def check_mode(cfg, world: int) -> None:
     # the ranks the mode's shards span: context-parallel ranks are folded into its data parallelism
     advice = strategy.world_advice(shape.dp_world * shape.cp)
     if advice:
-        Console(stderr=True).print(f"[yellow]{advice}[/]")
+        say_notice(advice)
 
 
 def check_layout(cfg, world: int):
