@@ -12,7 +12,7 @@ TORCH_FLOOR := torch==2.11.0
 # a user who only trains gets no transformers, lm-eval, trackers or linters.
 TRAIN_EXTRAS := plot
 TEST_EXTRAS := dev,test,plot,stats,tensorboard,export,harness,wandb,mlflow,optuna,tokenizers,fineweb,float8
-SMOKE := model=tiny train.max_steps=6 train.log_interval=1 train.val_interval=3 train.val_tokens=512 \
+SMOKE := model=tiny train.max_steps=6 optim.warmup_steps=2 train.log_interval=1 train.val_interval=3 train.val_tokens=512 \
          train.micro_batch_size=4 train.seq_len=64 train.sample_tokens=16 train.progress=false
 
 .PHONY: help setup setup-test setup-compat train sweep report test test-all test-compat lint image clean smoke smoke-none smoke-dp smoke-ddp smoke-zero smoke-fsdp bench bench-gpu gpu-bundle chaos
