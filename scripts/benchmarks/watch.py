@@ -32,7 +32,7 @@ if __name__ == "__main__":  # a fresh process of its own (flight_recorder)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.harness import step_bookkeeping  # noqa: E402
+from benchmarks.harness import step_bookkeeping, sync  # noqa: E402
 from trainer.config.schema import from_dict, to_dict  # noqa: E402
 from trainer.fit.run import Run  # noqa: E402
 from trainer.observe.stragglers import StragglerWatch  # noqa: E402
@@ -42,11 +42,6 @@ from trainer.process.runtime import init_runtime  # noqa: E402
 RECORDER_VARIABLES = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                       "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 ALL_REDUCES = 2000  # per latency figure
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def straggler_sample(bench, model: str, batch: int) -> None:
@@ -70,10 +65,10 @@ def straggler_sample(bench, model: str, batch: int) -> None:
                 done[0] += 1
 
         plain(bench.args.warmup)
-        _sync(bench.rt.device)
+        sync(bench.rt.device)
         t0 = time.perf_counter()
         sampled(1)  # the first: the profiler starts (CUPTI's initialization on a GPU)
-        _sync(bench.rt.device)
+        sync(bench.rt.device)
         first_s = time.perf_counter() - t0
         blocks = bench.alternate({"plain": plain, "sampled": sampled})
         metrics.close()
@@ -133,21 +128,21 @@ def _measure_in_a_fresh_process(cfg_dict: dict, warmup: int, steps: int) -> dict
             run = Run(cfg, rt, Path(run_dir))
             for step in range(warmup):
                 run.train_step(step)
-            _sync(rt.device)
+            sync(rt.device)
             t0 = time.perf_counter()
             for step in range(warmup, warmup + steps):
                 run.train_step(step)
-            _sync(rt.device)
+            sync(rt.device)
             step_s = (time.perf_counter() - t0) / steps
             del run
         one = torch.zeros(1, device=rt.device)
         for _ in range(50):
             dist.all_reduce(one)
-        _sync(rt.device)
+        sync(rt.device)
         t0 = time.perf_counter()
         for _ in range(ALL_REDUCES):
             dist.all_reduce(one)
-        _sync(rt.device)
+        sync(rt.device)
         all_reduce_s = (time.perf_counter() - t0) / ALL_REDUCES
         return {"step_ms": step_s * 1e3, "all_reduce_us": all_reduce_s * 1e6, "entries": _recorded_entries()}
     finally:

@@ -88,14 +88,14 @@ class Strategy:
                 f"parallel={cls.name} drives every GPU from one process and cannot run under a multi-process "
                 f"launch; use parallel=ddp for several workers, or world=1 with parallel={cls.name}"
             )
-        if training and world > 1 and not cls.syncs_replicas and model_parallel > 1:
-            raise ConfigError(
-                f"parallel={cls.name} does not synchronise gradients, so world={world * model_parallel} over "
-                f"groups of {model_parallel} (parallel.cp x parallel.tp) would train {world} unrelated copies of "
-                f"the model; use world={model_parallel} for one model over those ranks, or parallel=fsdp for "
-                f"{world} synchronised copies"
-            )
         if training and world > 1 and not cls.syncs_replicas:
+            if model_parallel > 1:
+                raise ConfigError(
+                    f"parallel={cls.name} does not synchronise gradients, so world={world * model_parallel} over "
+                    f"groups of {model_parallel} (parallel.cp x parallel.tp) would train {world} unrelated copies "
+                    f"of the model; use world={model_parallel} for one model over those ranks, or parallel=fsdp "
+                    f"for {world} synchronised copies"
+                )
             raise ConfigError(
                 f"parallel={cls.name} does not synchronise gradients, so world={world} would train {world} "
                 f"unrelated copies of the model; use parallel=ddp (or fsdp, zero) for {world} workers, "
