@@ -355,6 +355,11 @@ class Checkpointer:
         """Publish the pending save once its files are written and hashed. `together`: every rank
         is here, so a failure on rank 0 is raised on every rank."""
         if self.pending is None:
+            if together:
+                # _poll publishes when this rank's hashing is done, so another rank may still hold
+                # the same save pending: its agree() below must meet one here, or it would take the
+                # next object rank 0 broadcasts (a rollback's target path) for a save problem.
+                self.rt.agree(None, CheckpointError)
             return
         hashed, tmp, final, step, record = self.pending
         self.pending = None
